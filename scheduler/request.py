@@ -1,0 +1,108 @@
+"""Request state: one counter model per request (stdlib only).
+
+``output_token_ids`` holds every token emitted so far. Each cache (target, draft) says how many of the
+request's tokens it has committed KV for; everything past that is *in flight*: fed to the model next round.
+A rejected candidate never enters ``output_token_ids``, so rejection is just not advancing a counter.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0  # speculative rounds (verify passes) this request took part in
+    drafted: int = 0  # candidate tokens proposed (tree nodes)
+    accepted: int = 0  # candidate tokens accepted
+    emitted: int = 0  # tokens emitted by rounds (accepted + recovered/bonus), before stop truncation
+    accepted_per_position: list[int] = field(default_factory=list)  # [depth] -> rounds that accepted depth
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def record_round(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        while len(self.accepted_per_position) < accepted:
+            self.accepted_per_position.append(0)
+        for d in range(accepted):
+            self.accepted_per_position[d] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify round, bonus/recovered token included (vLLM's convention)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def as_dict(self) -> dict:
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return {
+            "rounds": self.rounds,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_per_position": [round(a / self.rounds, 4) for a in self.accepted_per_position]
+            if self.rounds else [],
+            "ttft_s": None if ttft is None else round(ttft, 6),
+        }
+
+
+@dataclass
+class Request:
+    seq_id: int  # internal, unique per engine
+    request_id: str  # the user's id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached_target: int = 0  # tokens with committed KV in the target cache
+    num_cached_draft: int = 0  # tokens with committed KV in the draft cache
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_end(self) -> int:
+        """Tokens to push through the target before speculative rounds begin.
+
+        A fresh request prefills its whole prompt (the last prompt position yields the first token). A request
+        resumed after preemption already has outputs: everything but its last token is recomputed, and that
+        token is pending like after any round.
+        """
+        return len(self.prompt_token_ids) if not self.output_token_ids else self.num_tokens - 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_cached_target < self.prefill_end
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

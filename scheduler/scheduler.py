@@ -1,0 +1,184 @@
+"""Batch formation: which requests run this step, what each feeds, and KV admission (stdlib only).
+
+Each step:
+1. Running requests that finished prefill get a speculative round. Their KV (target and draft) must cover the
+   committed tokens, the in-flight tokens and this round's scratch tree; when the pool is short, the most
+   recently arrived running request is preempted (blocks freed, recomputed later) until the rest fit.
+2. Remaining token budget goes to prefill chunks: requests still prefilling first, then new arrivals, oldest
+   first, as long as their blocks fit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in the running set
+    max_num_batched_tokens: int = 2048  # prefill chunk tokens + tree nodes per step
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+@dataclass
+class PrefillChunk:
+    req: Request
+    start: int  # first token position of the chunk (== req.num_cached_target)
+    end: int  # one past the last
+
+    @property
+    def completes_prefill(self) -> bool:
+        return self.end == self.req.prefill_end
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    rounds: list[Request] = field(default_factory=list)  # speculative (or plain decode) rounds
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.rounds
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, target_blocks: BlockManager, draft_blocks: BlockManager | None,
+                 num_tree_nodes: int) -> None:
+        self.config = config
+        self.target_blocks = target_blocks
+        self.draft_blocks = draft_blocks
+        self.num_tree_nodes = num_tree_nodes  # scratch nodes per request per round (0: no speculation)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def capacity_slots(self) -> int:
+        pools = [self.target_blocks] + ([self.draft_blocks] if self.draft_blocks is not None else [])
+        return min(p.num_blocks * p.block_size for p in pools)
+
+    def add(self, req: Request) -> None:
+        need = len(req.prompt_token_ids) + req.params.max_tokens + self.num_tree_nodes
+        if need > self.capacity_slots:
+            raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
+                             f"({req.params.max_tokens}) + tree nodes ({self.num_tree_nodes}) = {need} exceeds the "
+                             f"KV cache capacity of {self.capacity_slots} tokens")
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _round_slots(self, req: Request) -> int:
+        """Slots a speculative round writes: every token so far (committed + in flight) plus the tree."""
+        return req.num_tokens + self.num_tree_nodes
+
+    def _fits(self, req: Request, slots: int) -> bool:
+        ok = self.target_blocks.can_reserve(req.seq_id, slots)
+        if self.draft_blocks is not None:
+            ok = ok and self.draft_blocks.can_reserve(req.seq_id, slots)
+        return ok
+
+    def _reserve(self, req: Request, slots: int) -> None:
+        self.target_blocks.reserve(req.seq_id, slots)
+        if self.draft_blocks is not None:
+            self.draft_blocks.reserve(req.seq_id, slots)
+
+    def _release(self, req: Request) -> None:
+        self.target_blocks.free(req.seq_id)
+        if self.draft_blocks is not None:
+            self.draft_blocks.free(req.seq_id)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_cached_target = 0
+        req.num_cached_draft = 0
+        req.status = RequestStatus.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> ScheduledBatch:
+        out = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        decoding = [r for r in self.running if not r.is_prefilling]
+        for req in list(decoding):
+            if req not in self.running:  # preempted below to make room for an older request
+                continue
+            slots = self._round_slots(req)
+            while not self._fits(req, slots):
+                victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                self._reserve(req, slots)
+                out.rounds.append(req)
+                budget -= req.num_tokens - req.num_cached_target + self.num_tree_nodes
+        candidates = [r for r in self.running if r.is_prefilling]
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            # Admit in arrival order only while the head fits; skipping it would starve long prompts.
+            head = self.waiting[0]
+            if not self._fits(head, min(head.prefill_end, max(budget, 1))):
+                break
+            self.waiting.popleft()
+            head.status = RequestStatus.RUNNING
+            self.running.append(head)
+            candidates.append(head)
+            if budget <= 0:
+                break
+        for req in candidates:
+            if budget <= 0:
+                break
+            start = req.num_cached_target
+            end = min(req.prefill_end, start + budget)
+            if not self._fits(req, end):
+                end = start + self._max_fit(req, start, end)
+                if end <= start:
+                    continue
+            self._reserve(req, end)
+            out.prefills.append(PrefillChunk(req, start, end))
+            budget -= end - start
+        if out.empty and self.running and not out.preempted:
+            if len(self.running) == 1:
+                raise MemoryError("the KV cache is too small for even one request: raise num_kv_blocks "
+                                  f"(target pool {self.target_blocks.num_blocks} blocks of "
+                                  f"{self.target_blocks.block_size})")
+            # Partly prefilled requests hold the whole pool between them: recompute the newest later.
+            victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
+            self._preempt(victim)
+            return self.schedule()
+        return out
+
+    def _max_fit(self, req: Request, start: int, end: int) -> int:
+        lo, hi = 0, end - start
+        while lo < hi:  # largest chunk whose blocks fit
+            mid = (lo + hi + 1) // 2
+            if self._fits(req, start + mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+
+    def after_commit(self, req: Request) -> None:
+        """Give back scratch blocks past what each cache has committed."""
+        self.target_blocks.trim(req.seq_id, req.num_cached_target)
+        if self.draft_blocks is not None:
+            self.draft_blocks.trim(req.seq_id, req.num_cached_draft)

@@ -1,0 +1,88 @@
+"""Typed messages between the controller and the workers (plain ints and floats: they cross processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingSpec:
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class PrefillSeq:
+    seq_id: int
+    block_table: list[int]
+    base_len: int  # tokens already cached
+    token_ids: list[int]  # the chunk
+    sample: SamplingSpec | None = None  # set on the chunk that ends a fresh prompt: sample the first token
+
+
+@dataclass
+class CommitSpec:
+    """Move scratch nodes ``path`` down to positions base_len, base_len + 1, ... of the sequence."""
+
+    block_table: list[int]
+    base_len: int
+    path: list[int]
+
+
+@dataclass
+class DraftSeq:
+    seq_id: int
+    block_table: list[int]
+    base_len: int  # tokens with committed draft KV
+    token_ids: list[int]  # tokens the draft has not seen yet (the last one is the tree's root context)
+    sampling: SamplingSpec
+    branching: list[int]  # children per node at each depth
+
+
+@dataclass
+class DraftStep:
+    commits: list[CommitSpec] = field(default_factory=list)  # last round's accepted draft nodes
+    prefills: list[PrefillSeq] = field(default_factory=list)  # chunks to cache, no logits needed
+    seqs: list[DraftSeq] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)  # seq ids whose generators can be dropped
+
+
+@dataclass
+class VerifySeq:
+    seq_id: int
+    block_table: list[int]
+    base_len: int  # tokens with committed target KV
+    token_ids: list[int]  # in-flight tokens (normally one: last round's recovered/bonus token)
+    tree_tokens: list[int]
+    tree_parents: list[int]
+    sampling: SamplingSpec
+    # [N, V] float32 laws the candidates were drawn from; None for greedy requests (one-hot by construction).
+    # Ships as raw float32 bytes when crossing processes.
+    draft_probs: Any = None
+
+
+@dataclass
+class TargetStep:
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    seqs: list[VerifySeq] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RoundResult:
+    accepted_nodes: list[int]  # tree node indices, root to leaf
+    tokens: list[int]  # accepted tokens + one recovered/bonus token
+
+
+@dataclass
+class TargetStepOutput:
+    first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
+    results: list[RoundResult]  # one per VerifySeq, same order
