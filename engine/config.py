@@ -1,0 +1,129 @@
+"""Engine configuration: dataclasses validated where they are built; each component gets its own part."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from scheduler.scheduler import SchedulerConfig
+from scheduler.spec_policy import TreeShape
+
+DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
+SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
+
+
+def default_model_dirs() -> tuple[str, str]:
+    """The built-in target/draft pair shipped in engine/default_models; a clear error when it is missing."""
+    target, draft = DEFAULT_MODELS_DIR / "target", DEFAULT_MODELS_DIR / "draft"
+    for d in (target, draft):
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the built-in default models are not installed ({d} has no config.json); pass a model "
+                "directory explicitly (--target DIR, --speculative-config '{\"model\": DIR, ...}')")
+    return str(target), str(draft)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM-compatible keys plus our tree keys.
+
+    - ``method``: "draft_model" (alias "draft");
+    - ``model``: draft checkpoint directory;
+    - ``num_speculative_tokens``: K, the depth of the candidate chain or tree;
+    - ``tree_branching``: children per node at each depth, e.g. [2, 2, 1, 1]; its length must equal K when both
+      are given; default: a chain (all ones);
+    - ``tree_sampling``: how siblings are drawn at temperature > 0: "iid" (with replacement, SpecInfer),
+      "without_replacement" (recursive rejection sampling) or "deterministic" (the draft's top tokens; lossless,
+      accepts less); greedy requests always take the draft's top tokens;
+    - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused.
+    """
+
+    model: str
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    method: str = "draft_model"
+    tree_branching: list[int] | None = None
+    tree_sampling: str = "iid"
+    max_tree_nodes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model must be a draft model directory")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if self.tree_branching is not None:
+            if not isinstance(self.tree_branching, (list, tuple)) or len(self.tree_branching) != k:
+                raise ValueError(f"speculative_config.tree_branching must be a list of {k} integers (one per "
+                                 f"depth, num_speculative_tokens={k}), got {self.tree_branching!r}")
+        if self.tree_sampling not in TREE_SAMPLING_MODES:
+            raise ValueError(f"speculative_config.tree_sampling must be one of {list(TREE_SAMPLING_MODES)}, "
+                             f"got {self.tree_sampling!r}")
+        shape = self.tree_shape
+        if shape.num_nodes > self.max_tree_nodes:
+            raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
+                             f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    @property
+    def tree_shape(self) -> TreeShape:
+        if self.tree_branching is None:
+            return TreeShape.chain(self.num_speculative_tokens)
+        return TreeShape(tuple(self.tree_branching))
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From a JSON string (the CLI flag), a dict, or an instance; None means no speculation."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        if "model" not in value:
+            raise ValueError("speculative_config.model is required (the draft model directory)")
+        return cls(**value)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # KV pool size per model, in tokens; None sizes it for max_num_seqs full-length sequences, capped.
+    num_kv_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_tokens is not None and self.num_kv_tokens < self.block_size:
+            raise ValueError(f"num_kv_tokens must be >= block_size ({self.block_size}), got {self.num_kv_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    target: str
+    speculative: SpeculativeConfig | None = None
+    tokenizer: str | None = None  # default: the target directory
+    dtype: str | None = None  # None: the checkpoint's own dtype
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the target's max_position_embeddings
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.target):
+            raise ValueError(f"target model directory {self.target!r} does not exist")
+        if self.speculative is not None and not os.path.isdir(self.speculative.model):
+            raise ValueError(f"speculative_config.model directory {self.speculative.model!r} does not exist")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

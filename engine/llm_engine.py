@@ -1,0 +1,222 @@
+"""The controller loop: schedule -> draft -> verify -> commit -> emit, with continuous batching.
+
+Requests join between steps and leave when they finish; the scheduler decides who runs and reserves their KV.
+The draft and target workers are called through typed messages, so the Ray executor can move them into
+actors without touching this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from engine.compat import check_draft_compatible
+from engine.config import EngineConfig
+from engine.metrics import SpecDecodingStats
+from engine.stopping import StopChecker
+from scheduler.block_manager import BlockManager
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import ScheduledBatch, Scheduler
+from workers.draft_worker import DraftWorker
+from workers.loader import load_tokenizer
+from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, SamplingSpec, TargetStep, VerifySeq
+from workers.model_config import ModelConfig
+from workers.target_worker import TargetWorker
+from workers.verification import CandidateTree
+from workers.worker_config import WorkerConfig
+
+_MAX_AUTO_KV_TOKENS = 1 << 17
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    finished: bool
+    metrics: dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        tcfg = ModelConfig.from_pretrained(config.target)
+        self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.target)
+        spec = config.speculative
+        if spec is not None:
+            check_draft_compatible(config.target, spec.model, tcfg)
+        self.tree = spec.tree_shape if spec is not None else None
+        num_nodes = self.tree.num_nodes if self.tree is not None else 0
+        bs = config.cache.block_size
+        kv_tokens = config.cache.num_kv_tokens or min(
+            config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
+        num_blocks = -(-kv_tokens // bs)
+        self.target = TargetWorker(WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device))
+        self.draft: DraftWorker | None = None
+        if spec is not None:
+            self.draft = DraftWorker(WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
+                                                  tree_sampling=spec.tree_sampling,
+                                                  target_vocab_size=tcfg.vocab_size))
+        self.vocab_size = tcfg.vocab_size
+        self.eos_token_ids = set(tcfg.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
+                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes)
+        self.stats = SpecDecodingStats()
+        self._seq_ids = itertools.count()
+        self._stop: dict[int, StopChecker] = {}
+        self._draft_commits: dict[int, CommitSpec] = {}
+        self._finished_ids: list[int] = []
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and queue; raises ValueError naming the field and the limit."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
+                             "(prompt + at least one generated token must fit)")
+        req = Request(next(self._seq_ids), str(request_id), token_ids, params)
+        self.scheduler.add(req)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        self._stop[req.seq_id] = StopChecker(stop_ids, params.stop, self.tokenizer)
+        return req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        for req in batch.preempted:
+            self._draft_commits.pop(req.seq_id, None)
+        finished_ids = self._take_finished()
+        trees = self._draft(batch, finished_ids)
+        out = self.target.step(self._target_step(batch, trees, finished_ids))
+        finished = self._commit_prefills(batch, out.first_tokens)
+        finished += self._commit_rounds(batch, trees, out.results)
+        return [self._output(r) for r in finished]
+
+    def _depth(self, req: Request) -> int:
+        """Tree depth this round: no deeper than the tokens the request may still emit, or its context."""
+        if self.tree is None:
+            return 0
+        room = min(req.remaining_tokens, self.max_model_len - req.num_tokens)
+        return max(0, min(self.tree.depth, room - 1))
+
+    def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
+        vocab = self.vocab_size
+        if self.draft is None:
+            return [CandidateTree.empty(vocab) for _ in batch.rounds]
+        commits = [self._draft_commits.pop(r.seq_id) for r in batch.rounds if r.seq_id in self._draft_commits]
+        msg = DraftStep(commits=commits, finished=finished_ids, prefills=[
+            PrefillSeq(c.req.seq_id, self._draft_table(c.req), c.start, c.req.all_token_ids[c.start:c.end])
+            for c in batch.prefills])
+        drafted = [r for r in batch.rounds if self._depth(r) > 0]
+        for r in drafted:
+            msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
+                                     r.all_token_ids[r.num_cached_draft:], _spec(r),
+                                     list(self.tree.branching[: self._depth(r)])))
+        trees = dict(zip([r.seq_id for r in drafted], self.draft.step(msg), strict=True))
+        return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
+
+    def _target_step(self, batch: ScheduledBatch, trees: list[CandidateTree], finished_ids: list[int]) -> TargetStep:
+        tables = self.scheduler.target_blocks.tables
+        msg = TargetStep(finished=finished_ids)
+        for c in batch.prefills:
+            fresh = c.completes_prefill and not c.req.output_token_ids
+            msg.prefills.append(PrefillSeq(c.req.seq_id, tables[c.req.seq_id], c.start,
+                                           c.req.all_token_ids[c.start:c.end], _spec(c.req) if fresh else None))
+        for r, t in zip(batch.rounds, trees, strict=True):
+            msg.seqs.append(VerifySeq(r.seq_id, tables[r.seq_id], r.num_cached_target,
+                                      r.all_token_ids[r.num_cached_target:], t.tokens.tolist(), t.parents.tolist(),
+                                      _spec(r), None if r.params.greedy else t.draft_probs))
+        return msg
+
+    def _commit_prefills(self, batch: ScheduledBatch, first_tokens: dict[int, int]) -> list[Request]:
+        finished = []
+        for c in batch.prefills:
+            c.req.num_cached_target = c.end
+            if self.draft is not None:
+                c.req.num_cached_draft = c.end
+            tok = first_tokens.get(c.req.seq_id)
+            if tok is not None and self._emit(c.req, [tok]):
+                finished.append(c.req)
+        return finished
+
+    def _commit_rounds(self, batch: ScheduledBatch, trees: list[CandidateTree], results) -> list[Request]:
+        finished = []
+        for req, tree, res in zip(batch.rounds, trees, results, strict=True):
+            accepted = res.accepted_nodes
+            # Committed now: the in-flight tokens and the accepted path (emitted below, so not yet in num_tokens).
+            req.num_cached_target = req.num_tokens + len(accepted)
+            if self.draft is not None and len(tree.tokens):
+                depth = self._depth(req)
+                u = req.num_tokens - req.num_cached_draft
+                # The deepest level was never forwarded through the draft: it has no draft KV to keep.
+                kept = accepted[: depth - 1]
+                path = list(range(u)) + [u + j for j in kept]
+                self._draft_commits[req.seq_id] = CommitSpec(self._draft_table(req), req.num_cached_draft, path)
+                req.num_cached_draft += u + len(kept)
+            n_drafted = len(tree.tokens)
+            req.stats.record_round(n_drafted, len(accepted), len(res.tokens))
+            self.stats.record_round(n_drafted, len(accepted), len(res.tokens), drafted=n_drafted > 0)
+            done = self._emit(req, res.tokens)
+            if done:
+                finished.append(req)
+            else:
+                self.scheduler.after_commit(req)
+        return finished
+
+    def _emit(self, req: Request, tokens: list[int]) -> bool:
+        """Append what the round produced, up to a stop; True when the request is finished."""
+        checker = self._stop[req.seq_id]
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = time.monotonic()
+        kept, stopped = checker.truncate(req.output_token_ids, tokens, req.remaining_tokens)
+        req.output_token_ids += kept
+        reason = None
+        if stopped:
+            reason = FinishReason.STOP
+        elif req.remaining_tokens <= 0 or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return False
+        self.scheduler.finish(req, reason)
+        self._draft_commits.pop(req.seq_id, None)
+        self._finished_ids.append(req.seq_id)
+        return True
+
+    def _take_finished(self) -> list[int]:
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def _draft_table(self, req: Request) -> list[int]:
+        return self.scheduler.draft_blocks.tables[req.seq_id]
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self._stop[req.seq_id].final_text(req.output_token_ids)
+        self._stop.pop(req.seq_id, None)
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
+                             req.finish_reason.value if req.finish_reason else None, req.finished, req.stats.as_dict())
+
+
+def _spec(req: Request) -> SamplingSpec:
+    p = req.params
+    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed)

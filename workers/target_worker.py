@@ -1,0 +1,67 @@
+"""The target worker: one forward over prefill chunks and every request's candidate tree, then verification.
+
+For a request in a round the scratch pad holds its in-flight tokens (normally the one recovered/bonus token
+from last round) as a chain, followed by the candidate tree. The logits at the last in-flight token give p for
+the root's children; the logits at node i give p for node i's children (or the bonus at a leaf). After
+verification the in-flight tokens and the accepted path are committed; the rest of the scratch is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.input_batch import SeqForward
+from workers.messages import CommitSpec, RoundResult, TargetStep, TargetStepOutput, VerifySeq
+from workers.sampling import logits_to_probs, sample
+from workers.verification import CandidateTree, verify_greedy, verify_tree
+from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
+
+
+def _verify_piece(s: VerifySeq) -> SeqForward:
+    u = len(s.token_ids)
+    parents = list(range(-1, u - 1)) + [u - 1 if p < 0 else u + p for p in s.tree_parents]
+    return SeqForward(block_table=s.block_table, base_len=s.base_len, parents=parents,
+                      token_ids=s.token_ids + s.tree_tokens, logit_nodes=list(range(u - 1, len(parents))))
+
+
+class TargetWorker(WorkerBase):
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @torch.inference_mode()
+    def step(self, msg: TargetStep) -> TargetStepOutput:
+        self.drop(msg.finished)
+        sampled = [p for p in msg.prefills if p.sample is not None]
+        pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
+        pieces += [_verify_piece(s) for s in msg.seqs]
+        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V]
+
+        first_tokens: dict[int, int] = {}
+        if sampled:
+            specs = [p.sample for p in sampled]
+            probs = logits_to_probs(logits[: len(sampled)], sampling_batch(specs, [1] * len(specs), logits.device))
+            gens = [self.generator(p.seq_id, p.sample) for p in sampled]
+            first_tokens = dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
+
+        results: list[RoundResult] = []
+        commits: list[CommitSpec] = []
+        row = len(sampled)
+        for s in msg.seqs:
+            n = len(s.tree_tokens)
+            rows = logits[row: row + n + 1]  # [N + 1, V]
+            row += n + 1
+            tree = CandidateTree(tokens=torch.tensor(s.tree_tokens, dtype=torch.long),
+                                 parents=torch.tensor(s.tree_parents, dtype=torch.long),
+                                 draft_probs=s.draft_probs if s.draft_probs is not None
+                                 else torch.empty(n, 0))
+            if s.sampling.greedy:
+                res = verify_greedy(tree, rows.argmax(dim=-1))
+            else:
+                p = logits_to_probs(rows, sampling_batch([s.sampling], [n + 1], rows.device))  # [N + 1, V]
+                res = verify_tree(tree, p, self.generator(s.seq_id, s.sampling))
+            results.append(RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens)))
+            u = len(s.token_ids)
+            commits.append(CommitSpec(s.block_table, s.base_len, list(range(u)) + [u + j for j in res.accepted_nodes]))
+        self.runner.commit(commits)
+        return TargetStepOutput(first_tokens=first_tokens, results=results)

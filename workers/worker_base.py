@@ -1,0 +1,55 @@
+"""Shared by the draft and target workers: model + cache construction and per-request generators."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.input_batch import SeqForward
+from workers.loader import load_model
+from workers.messages import PrefillSeq, SamplingSpec
+from workers.model_config import ModelConfig, parse_dtype
+from workers.model_runner import ModelRunner
+from workers.sampling import SamplingBatch
+from workers.worker_config import WorkerConfig
+
+
+class WorkerBase:
+    def __init__(self, config: WorkerConfig, tp=None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        dtype = parse_dtype(config.dtype, self.model_config.dtype) if config.dtype else self.model_config.dtype
+        self.device = torch.device(config.device)
+        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=tp)
+        tp_size = 1 if tp is None else tp.size
+        mc = self.model_config
+        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,
+                                  config.num_blocks, config.block_size, dtype, self.device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator(self, seq_id: int, spec: SamplingSpec, salt: int = 0) -> torch.Generator | None:
+        """A seeded request gets its own stream, so its draws do not depend on the rest of the batch."""
+        if spec.seed is None:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((spec.seed ^ salt) & 0xFFFF_FFFF_FFFF_FFFF)
+            self._generators[seq_id] = gen
+        return gen
+
+    def drop(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self._generators.pop(s, None)
+
+
+def prefill_forward(p: PrefillSeq, want_logits: bool) -> SeqForward:
+    n = len(p.token_ids)
+    return SeqForward(block_table=p.block_table, base_len=p.base_len, parents=list(range(-1, n - 1)),
+                      token_ids=p.token_ids, logit_nodes=[n - 1] if want_logits else [])
+
+
+def sampling_batch(specs: list[SamplingSpec], counts: list[int], device: torch.device) -> SamplingBatch:
+    """One row per position: request i's parameters repeated counts[i] times."""
+    rows = [s for s, c in zip(specs, counts, strict=True) for _ in range(c)]
+    return SamplingBatch.from_lists([s.temperature for s in rows], [s.top_k for s in rows],
+                                    [s.top_p for s in rows], [s.min_p for s in rows], device=device)

@@ -1,0 +1,23 @@
+"""What a worker needs to build its model and cache (its own sub-config, nothing else)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str  # Hugging Face checkpoint directory
+    num_blocks: int  # KV cache blocks in this worker's pool
+    block_size: int
+    dtype: str | None = None  # None: the checkpoint's dtype
+    device: str = "cpu"
+    tree_sampling: str = "iid"  # how siblings are drawn at temperature > 0 (draft only; see workers/proposal.py)
+    target_vocab_size: int | None = None  # draft only: q is padded to the target's vocabulary
+    # Seeded requests derive their draft stream from the seed with this salt, so the draft's draws never
+    # coincide with the verifier's uniforms (the acceptance test needs them independent).
+    draft_seed_salt: int = 0x5EED_D4AF7
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
