@@ -1,0 +1,364 @@
+"""Lossless verification of a draft's candidate tree against the target's distributions.
+
+# At each node, children x_i in drawn order (q_i = the law x_i was drawn from): r := p; accept x_i with prob
+# min(1, r(x_i)/q_i(x_i)), else r := norm(max(0, r - q_i)). Nobody accepted: emit a draw from r (recovered);
+# reached a leaf: emit a draw from p (bonus). A chain is the one-child case (Leviathan et al. 2.3 / A.1).
+
+Vocabulary as in vLLM's rejection sampler: *accepted* draft tokens, then one *recovered* token (drawn from the
+residual after a rejection) or one *bonus* token (drawn from p after the last accepted leaf).
+
+Randomness: a tree of N nodes consumes exactly N + 1 uniforms per round, u[i] for the accept test of node i
+(used only if node i is tried) and u[N] for the final draw. Fixing the count keeps a seeded request's stream
+independent of how the round went, and lets tests replay fixed draws (`uniforms=`).
+
+The work is vectorised over a batch of trees of one shape: the residual a node is tried against depends only
+on its parent's p and its earlier siblings' q (if an earlier sibling had been accepted the node would not be
+tried at all), so every node's residual and accept bit are computed up front, then the walk from the root
+reads them; nothing leaves the device until the results are turned into Python lists.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.sampling import draw_uniforms, sample_with_uniforms
+
+# Trees of one shape are verified together; chunk so the two [B, N, V] float32 work tensors stay ~256 MiB each.
+_MAX_WORK_ELEMENTS = 1 << 26
+
+
+@dataclass
+class CandidateTree:
+    """One request's candidates for one round (see module doc). A chain has parents = [-1, 0, 1, ...]."""
+
+    tokens: torch.Tensor  # [N] long node token ids
+    parents: torch.Tensor  # [N] long, -1 = child of the root, parents[i] < i; siblings in drawn (= tried) order
+    draft_probs: torch.Tensor  # [N, V] float32, q_i: the law node i was actually drawn from (DESIGN.md)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.tokens.dim() != 1 or self.parents.shape != (n,):
+            raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} differ")
+        if self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n:
+            raise ValueError(f"draft_probs has shape {tuple(self.draft_probs.shape)}, expected [{n}, vocab]")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, draft_probs: torch.Tensor) -> CandidateTree:
+        n = tokens.shape[0]
+        parents = torch.arange(n, dtype=torch.long, device=tokens.device) - 1
+        return CandidateTree(tokens.long(), parents, draft_probs)
+
+    @staticmethod
+    def empty(vocab_size: int, device: torch.device | str | None = None) -> CandidateTree:
+        """No speculation this round: verification emits one token drawn from p (reported as a bonus)."""
+        return CandidateTree(
+            torch.empty(0, dtype=torch.long, device=device),
+            torch.empty(0, dtype=torch.long, device=device),
+            torch.empty(0, vocab_size, dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
+class VerifyResult:
+    accepted_nodes: list[int]  # node indices of the accepted path, root to leaf (the KV commit uses them)
+    tokens: list[int]  # the accepted tokens, then exactly one recovered or bonus token
+    num_accepted: int  # len(accepted_nodes)
+    bonus: bool  # True: the last token is a bonus (a leaf was reached); False: recovered
+
+    def truncated(self, stop_token_ids: set[int], max_new: int) -> tuple[VerifyResult, bool]:
+        """Apply `truncate_at_stop`; returns (result, stopped_by_token).
+
+        If the cut falls inside the accepted tokens, the path is cut to the kept tokens and the result has no
+        recovered/bonus token (len(tokens) == num_accepted, bonus False): only the kept nodes are committed.
+        """
+        kept, stopped = truncate_at_stop(self.tokens, stop_token_ids, max_new)
+        if len(kept) == len(self.tokens):
+            return self, stopped
+        nodes = self.accepted_nodes[: len(kept)]
+        return VerifyResult(nodes, kept, len(nodes), False), stopped
+
+
+@dataclass
+class BatchVerifyOutput:
+    """Verification of B same-shaped trees, as tensors on the verification device."""
+
+    path: torch.Tensor  # [B, D] long accepted node indices root to leaf, -1 padded (D = tree depth)
+    path_tokens: torch.Tensor  # [B, D] long the accepted tokens, -1 padded
+    num_accepted: torch.Tensor  # [B] long
+    final_token: torch.Tensor  # [B] long recovered or bonus token
+    bonus: torch.Tensor  # [B] bool
+
+    def to_results(self) -> list[VerifyResult]:
+        path, toks = self.path.tolist(), self.path_tokens.tolist()
+        n_acc, final, bonus = self.num_accepted.tolist(), self.final_token.tolist(), self.bonus.tolist()
+        return [
+            VerifyResult(path[b][: n_acc[b]], toks[b][: n_acc[b]] + [final[b]], n_acc[b], bool(bonus[b]))
+            for b in range(len(n_acc))
+        ]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """Index tables for one tree topology. Slot s = node s - 1; slot 0 is the root."""
+
+    num_nodes: int
+    depth: int  # longest root-to-leaf path in nodes
+    parent_slot: tuple[int, ...]  # [N] the target_probs row governing node i's sibling group
+    prev_sibling: tuple[int, ...]  # [N] the sibling tried just before node i, -1 if first
+    nodes_by_rank: tuple[tuple[int, ...], ...]  # nodes grouped by position among their siblings
+    child_table: tuple[tuple[int, ...], ...]  # [N + 1, max_children] node ids per slot, -1 padded
+    last_child: tuple[int, ...]  # [N + 1] last child of each slot, -1 for a leaf
+
+
+@functools.lru_cache(maxsize=1024)
+def _tree_shape(parents: tuple[int, ...]) -> _Shape:
+    n = len(parents)
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    prev_sibling, ranks, depth = [], [], [0] * (n + 1)
+    for i, par in enumerate(parents):
+        if not -1 <= par < i:
+            raise ValueError(f"parents must be topological (-1 <= parents[i] < i); node {i} has parent {par}")
+        sibs = children[par + 1]
+        prev_sibling.append(sibs[-1] if sibs else -1)
+        ranks.append(len(sibs))
+        sibs.append(i)
+        depth[i + 1] = depth[par + 1] + 1
+    width = max((len(c) for c in children), default=0)
+    by_rank = tuple(tuple(i for i in range(n) if ranks[i] == r) for r in range(width))
+    return _Shape(
+        num_nodes=n,
+        depth=max(depth),
+        parent_slot=tuple(p + 1 for p in parents),
+        prev_sibling=tuple(prev_sibling),
+        nodes_by_rank=by_rank,
+        child_table=tuple(tuple(c + [-1] * (width - len(c))) for c in children),
+        last_child=tuple(c[-1] if c else -1 for c in children),
+    )
+
+
+def residual_distribution(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, r - q)) along the last dim: the law to fall back on once a draw from q was rejected.
+
+    The mass is 0 only when r <= q everywhere, i.e. r == q up to rounding; then acceptance was certain in
+    exact arithmetic and a rejection is a rounding artefact, so r itself is returned (never a 0/0 NaN).
+    """
+    diff = (r - q).clamp(min=0)  # [..., V]
+    mass = diff.sum(dim=-1, keepdim=True)  # [..., 1]
+    return torch.where(mass > 0, diff / mass.clamp(min=torch.finfo(diff.dtype).tiny), r)
+
+
+def verify_tree_batch(
+    parents: Sequence[int],
+    tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniforms: torch.Tensor,
+) -> BatchVerifyOutput:
+    """Verify B trees sharing one topology `parents` (length N).
+
+    tokens [B, N] long (-1 = node absent in that tree: never tried, nor are its descendants; this is how a
+    draft that returned fewer children is padded), draft_probs [B, N, V], target_probs [B, N + 1, V],
+    uniforms [B, N + 1] in [0, 1). Raises ValueError if a present node has q_i(x_i) == 0.
+    """
+    shape = _tree_shape(tuple(int(p) for p in parents))
+    n = shape.num_nodes
+    bsz, vocab = target_probs.shape[0], target_probs.shape[-1]
+    if tokens.shape != (bsz, n) or draft_probs.shape != (bsz, n, vocab):
+        raise ValueError(
+            f"expected tokens [{bsz}, {n}] and draft_probs [{bsz}, {n}, {vocab}], got "
+            f"{tuple(tokens.shape)} and {tuple(draft_probs.shape)}"
+        )
+    if target_probs.shape != (bsz, n + 1, vocab) or uniforms.shape != (bsz, n + 1):
+        raise ValueError(
+            f"expected target_probs [{bsz}, {n + 1}, {vocab}] and uniforms [{bsz}, {n + 1}], got "
+            f"{tuple(target_probs.shape)} and {tuple(uniforms.shape)}"
+        )
+    dev = target_probs.device
+    target_probs = target_probs.float()
+    draft_probs = draft_probs.float().to(dev)
+    tokens, uniforms = tokens.to(dev), uniforms.to(dev)
+
+    present = tokens >= 0  # [B, N]
+    for i, par in enumerate(shape.parent_slot):  # an absent node hides its subtree
+        if par > 0:
+            present[:, i] &= present[:, par - 1]
+    tok = tokens.clamp(min=0).unsqueeze(-1)  # [B, N, 1]
+    q_x = draft_probs.gather(2, tok).squeeze(-1)  # [B, N]
+    if bool((present & ~(q_x > 0)).any()):
+        bad = (present & ~(q_x > 0)).nonzero()[0].tolist()
+        raise ValueError(
+            f"candidate node {bad[1]} (tree {bad[0]}) has draft probability 0 for its own token: "
+            "draft_probs must be the law the token was drawn from"
+        )
+
+    # r: the residual each node is tried against; after: the residual once it is rejected (absent: unchanged).
+    r = torch.empty_like(draft_probs)  # [B, N, V]
+    after = torch.empty_like(draft_probs)  # [B, N, V]
+    for rank, nodes in enumerate(shape.nodes_by_rank):
+        idx = torch.tensor(nodes, dtype=torch.long, device=dev)
+        if rank == 0:
+            r[:, idx] = target_probs[:, [shape.parent_slot[i] for i in nodes]]
+        else:
+            r[:, idx] = after[:, [shape.prev_sibling[i] for i in nodes]]
+        res = residual_distribution(r[:, idx], draft_probs[:, idx])
+        after[:, idx] = torch.where(present[:, idx].unsqueeze(-1), res, r[:, idx])
+    r_x = r.gather(2, tok).squeeze(-1)  # [B, N]
+    # u < r(x)/q(x) without dividing: q(x) > 0 is checked above, and r(x) >= q(x) accepts surely (u < 1).
+    accept = present & (uniforms[:, :n] * q_x < r_x)  # [B, N]
+
+    if n == 0:  # no speculation: a bonus draw from p
+        path = torch.empty(bsz, 0, dtype=torch.long, device=dev)
+        final = sample_with_uniforms(target_probs[:, 0], uniforms[:, 0])
+        ones = torch.ones(bsz, dtype=torch.bool, device=dev)
+        return BatchVerifyOutput(path, path.clone(), torch.zeros(bsz, dtype=torch.long, device=dev), final, ones)
+    child_table = torch.tensor(shape.child_table, dtype=torch.long, device=dev)  # [N + 1, max_children]
+    last_child = torch.tensor(shape.last_child, dtype=torch.long, device=dev)  # [N + 1]
+    rows = torch.arange(bsz, device=dev)
+    slot = torch.zeros(bsz, dtype=torch.long, device=dev)  # [B] where each walk stands; 0 = root
+    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    bonus = torch.zeros(bsz, dtype=torch.bool, device=dev)
+    path = torch.full((bsz, shape.depth), -1, dtype=torch.long, device=dev)
+    final_probs = torch.zeros(bsz, vocab, device=dev)  # [B, V]
+    for step in range(shape.depth + 1):  # a walk ends at the latest on a leaf at depth `shape.depth`
+        kids = child_table[slot].clamp(min=0)  # [B, max_children]
+        kid_ok = (child_table[slot] >= 0) & present.gather(1, kids)
+        kid_acc = kid_ok & accept.gather(1, kids)
+        leaf = ~done & ~kid_ok.any(dim=1)
+        rejected = ~done & ~leaf & ~kid_acc.any(dim=1)
+        advance = ~done & kid_acc.any(dim=1)
+        chosen = kids.gather(1, kid_acc.long().argmax(dim=1, keepdim=True)).squeeze(1)  # first accepted
+        final_probs = torch.where(leaf.unsqueeze(1), target_probs[rows, slot], final_probs)
+        recovered = after[rows, last_child[slot].clamp(min=0)]  # [B, V]
+        final_probs = torch.where(rejected.unsqueeze(1), recovered, final_probs)
+        bonus |= leaf
+        done |= leaf | rejected
+        if step < shape.depth:
+            path[:, step] = torch.where(advance, chosen, path[:, step])
+        slot = torch.where(advance, chosen + 1, slot)
+
+    num_accepted = (path >= 0).sum(dim=1)
+    path_tokens = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), path)
+    final_token = sample_with_uniforms(final_probs, uniforms[:, n])
+    return BatchVerifyOutput(path, path_tokens, num_accepted, final_token, bonus)
+
+
+def _check_vocab(tree: CandidateTree, target_probs: torch.Tensor) -> None:
+    n, vd, vt = tree.num_nodes, tree.draft_probs.shape[1], target_probs.shape[-1]
+    if target_probs.shape != (n + 1, vt):
+        raise ValueError(f"target_probs has shape {tuple(target_probs.shape)}, expected [{n + 1}, vocab]")
+    if vd != vt:
+        raise ValueError(
+            f"draft vocab {vd} != target vocab {vt}: pad the draft's q with pad_draft_probs "
+            "(token ids must mean the same thing on both sides)"
+        )
+
+
+def verify_tree(
+    tree: CandidateTree,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    uniforms: Sequence[float] | torch.Tensor | None = None,
+) -> VerifyResult:
+    """Verify one tree. target_probs [N + 1, V]: row 0 for the root's children, row i + 1 after node i.
+
+    uniforms (tests only): N + 1 values in [0, 1) replacing the generator's draws, see the module doc.
+    """
+    return verify_batch([tree], [target_probs], [generator], uniforms=None if uniforms is None else [uniforms])[0]
+
+
+def verify_batch(
+    trees: Sequence[CandidateTree],
+    target_probs: Sequence[torch.Tensor],
+    generators: Sequence[torch.Generator | None],
+    *,
+    uniforms: Sequence[Sequence[float] | torch.Tensor] | None = None,
+) -> list[VerifyResult]:
+    """Verify one tree per request; trees of the same shape and vocab are verified in one vectorised call.
+
+    Each request draws its N_i + 1 uniforms from its own generator, in request order, before any work.
+    """
+    if not len(trees) == len(target_probs) == len(generators):
+        raise ValueError(f"got {len(trees)} trees, {len(target_probs)} target_probs, {len(generators)} generators")
+    for tree, p in zip(trees, target_probs, strict=True):
+        _check_vocab(tree, p)
+    if uniforms is None:
+        dev = target_probs[0].device if trees else "cpu"
+        us = draw_uniforms(generators, [t.num_nodes + 1 for t in trees], dev)
+    else:
+        us = [torch.as_tensor(u, dtype=torch.float32) for u in uniforms]
+
+    groups: dict[tuple, list[int]] = {}
+    for i, tree in enumerate(trees):
+        groups.setdefault((tuple(tree.parents.tolist()), target_probs[i].shape[-1]), []).append(i)
+    results: list[VerifyResult | None] = [None] * len(trees)
+    for (parents, vocab), members in groups.items():
+        step = max(1, _MAX_WORK_ELEMENTS // max(1, len(parents) * vocab))
+        for start in range(0, len(members), step):
+            chunk = members[start : start + step]
+            dev = target_probs[chunk[0]].device
+            out = verify_tree_batch(
+                parents,
+                torch.stack([trees[i].tokens.to(dev) for i in chunk]),
+                torch.stack([trees[i].draft_probs.to(dev) for i in chunk]),
+                torch.stack([target_probs[i] for i in chunk]),
+                torch.stack([us[i].to(dev) for i in chunk]),
+            )
+            for i, res in zip(chunk, out.to_results(), strict=True):
+                results[i] = res
+    return results  # type: ignore[return-value]
+
+
+def verify_greedy(tree: CandidateTree, target_argmax: torch.Tensor) -> VerifyResult:
+    """Temperature 0: descend into the first child equal to the target's argmax; emit the argmax otherwise.
+
+    target_argmax [N + 1] long, laid out like target_probs rows. Equals verify_tree with one-hot p.
+    """
+    if target_argmax.shape != (tree.num_nodes + 1,):
+        raise ValueError(f"target_argmax has shape {tuple(target_argmax.shape)}, expected [{tree.num_nodes + 1}]")
+    shape = _tree_shape(tuple(tree.parents.tolist()))
+    toks, best = tree.tokens.tolist(), target_argmax.tolist()
+    slot, path = 0, []
+    while True:
+        kids = [c for c in shape.child_table[slot] if c >= 0]
+        match = next((c for c in kids if toks[c] == best[slot]), None)
+        if match is None:
+            return VerifyResult(path, [toks[c] for c in path] + [best[slot]], len(path), bonus=not kids)
+        path.append(match)
+        slot = match + 1
+
+
+def truncate_at_stop(tokens: list[int], stop_token_ids: set[int], max_new: int) -> tuple[list[int], bool]:
+    """Cut emitted tokens after the first stop token (kept) or at max_new tokens, whichever comes first.
+
+    Returns (kept, stopped_by_token). A stop token among the accepted ones ends the round there: what the
+    target would have emitted after it is not part of the output.
+    """
+    if max_new < 0:
+        raise ValueError(f"max_new must be >= 0, got {max_new}")
+    kept = tokens[:max_new]
+    for i, t in enumerate(kept):
+        if t in stop_token_ids:
+            return kept[: i + 1], True
+    return kept, False
+
+
+def pad_draft_probs(q: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """[..., Vd] -> [..., Vt] with zeros appended: ids past the draft's vocab are tokens it never proposes.
+
+    Assumes the draft's ids are a prefix of the target's (same tokenizer, target padded for extra tokens).
+    """
+    vd = q.shape[-1]
+    if vd > target_vocab:
+        raise ValueError(f"draft vocab {vd} is larger than target vocab {target_vocab}: cannot pad q down")
+    if vd == target_vocab:
+        return q
+    return torch.nn.functional.pad(q, (0, target_vocab - vd))
