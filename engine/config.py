@@ -109,6 +109,45 @@ class CacheConfig:
             raise ValueError(f"num_kv_tokens must be >= block_size ({self.block_size}), got {self.num_kv_tokens}")
 
 
+EXECUTOR_BACKENDS = ("uni", "ray")
+TRANSPORTS = ("zmq", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
+    # "uni": workers in this process (only with tensor_parallel_size 1); "ray": Ray actors.
+    # None picks "ray" when tensor parallelism or a cluster address asks for it.
+    backend: str | None = None
+    address: str | None = None  # an existing Ray cluster; None starts a local one when Ray is used
+    transport: str = "zmq"  # per-round messages: msgpack over zmq, or plain Ray actor calls
+    placement_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "draft_tensor_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
+                raise ValueError(f"{name} must be an integer in [1, 8], got {v!r}")
+        if self.backend is not None and self.backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                             f"got {self.backend!r}")
+        if self.resolved_backend == "uni" and (self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1):
+            raise ValueError("distributed_executor_backend 'uni' runs in one process: tensor_parallel_size and "
+                             "draft_tensor_parallel_size must be 1 (use 'ray')")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend is not None:
+            return self.backend
+        wants_ray = self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1 or self.address
+        return "ray" if wants_ray else "uni"
+
+
 @dataclass
 class EngineConfig:
     target: str
@@ -119,6 +158,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the target's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.target):

@@ -13,17 +13,16 @@ from dataclasses import dataclass
 
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
+from engine.executor import make_executor
 from engine.metrics import SpecDecodingStats
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
-from workers.draft_worker import DraftWorker
 from workers.loader import load_tokenizer
 from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, SamplingSpec, TargetStep, VerifySeq
 from workers.model_config import ModelConfig
-from workers.target_worker import TargetWorker
 from workers.verification import CandidateTree
 from workers.worker_config import WorkerConfig
 
@@ -56,12 +55,14 @@ class LLMEngine:
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        self.target = TargetWorker(WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device))
-        self.draft: DraftWorker | None = None
+        draft_cfg = None
         if spec is not None:
-            self.draft = DraftWorker(WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
-                                                  tree_sampling=spec.tree_sampling,
-                                                  target_vocab_size=tcfg.vocab_size))
+            draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
+                                     tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
+        self.has_draft = draft_cfg is not None
+        self.executor = make_executor(config.parallel,
+                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
+                                      draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
@@ -99,6 +100,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def shutdown(self) -> None:
+        """Stop the workers (Ray actors, sockets); the engine is unusable afterwards."""
+        self.executor.shutdown()
+
     # ---------------------------------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -106,7 +111,7 @@ class LLMEngine:
             self._draft_commits.pop(req.seq_id, None)
         finished_ids = self._take_finished()
         trees = self._draft(batch, finished_ids)
-        out = self.target.step(self._target_step(batch, trees, finished_ids))
+        out = self.executor.target_step(self._target_step(batch, trees, finished_ids))
         finished = self._commit_prefills(batch, out.first_tokens)
         finished += self._commit_rounds(batch, trees, out.results)
         return [self._output(r) for r in finished]
@@ -120,7 +125,7 @@ class LLMEngine:
 
     def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
         vocab = self.vocab_size
-        if self.draft is None:
+        if not self.has_draft:
             return [CandidateTree.empty(vocab) for _ in batch.rounds]
         commits = [self._draft_commits.pop(r.seq_id) for r in batch.rounds if r.seq_id in self._draft_commits]
         msg = DraftStep(commits=commits, finished=finished_ids, prefills=[
@@ -131,7 +136,7 @@ class LLMEngine:
             msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
                                      r.all_token_ids[r.num_cached_draft:], _spec(r),
                                      list(self.tree.branching[: self._depth(r)])))
-        trees = dict(zip([r.seq_id for r in drafted], self.draft.step(msg), strict=True))
+        trees = dict(zip([r.seq_id for r in drafted], self.executor.draft_step(msg), strict=True))
         return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
 
     def _target_step(self, batch: ScheduledBatch, trees: list[CandidateTree], finished_ids: list[int]) -> TargetStep:
@@ -151,7 +156,7 @@ class LLMEngine:
         finished = []
         for c in batch.prefills:
             c.req.num_cached_target = c.end
-            if self.draft is not None:
+            if self.has_draft:
                 c.req.num_cached_draft = c.end
             tok = first_tokens.get(c.req.seq_id)
             if tok is not None and self._emit(c.req, [tok]):
@@ -164,7 +169,7 @@ class LLMEngine:
             accepted = res.accepted_nodes
             # Committed now: the in-flight tokens and the accepted path (emitted below, so not yet in num_tokens).
             req.num_cached_target = req.num_tokens + len(accepted)
-            if self.draft is not None and len(tree.tokens):
+            if self.has_draft and len(tree.tokens):
                 depth = self._depth(req)
                 u = req.num_tokens - req.num_cached_draft
                 # The deepest level was never forwarded through the draft: it has no draft KV to keep.

@@ -86,3 +86,11 @@ class RoundResult:
 class TargetStepOutput:
     first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
     results: list[RoundResult]  # one per VerifySeq, same order
+
+
+@dataclass
+class WorkerReply:
+    """What a worker sends back for one call: the result, or the error that stopped it."""
+
+    result: Any = None
+    error: str | None = None  # formatted traceback from the worker
