@@ -1,8 +1,11 @@
-"""Lossless verification of a draft's candidate tree against the target's distributions.
+# At each node, children x_i in drawn order (q_i = the law x_i was drawn from): r := p, then for each child
+# accept x_i with prob min(1, r(x_i) / q_i(x_i)), else r := norm(max(0, r - q_i)) and try the next one.
+# No child accepted: emit a draw from r (recovered). A leaf reached: emit a draw from p (bonus).
+"""Lossless verification of a draft's candidate tree against the target's distributions (DESIGN.md).
 
-# At each node, children x_i in drawn order (q_i = the law x_i was drawn from): r := p; accept x_i with prob
-# min(1, r(x_i)/q_i(x_i)), else r := norm(max(0, r - q_i)). Nobody accepted: emit a draw from r (recovered);
-# reached a leaf: emit a draw from p (bonus). A chain is the one-child case (Leviathan et al. 2.3 / A.1).
+A chain is the one-child case (Leviathan et al. 2.3 / A.1); siblings tried against the running residual are
+SpecInfer's multi-step speculative sampling (i.i.d. children) or recursive rejection sampling (children drawn
+without replacement, each with its own renormalised law).
 
 Vocabulary as in vLLM's rejection sampler: *accepted* draft tokens, then one *recovered* token (drawn from the
 residual after a rejection) or one *bonus* token (drawn from p after the last accepted leaf).
@@ -112,8 +115,11 @@ class _Shape:
     num_nodes: int
     depth: int  # longest root-to-leaf path in nodes
     parent_slot: tuple[int, ...]  # [N] the target_probs row governing node i's sibling group
-    prev_sibling: tuple[int, ...]  # [N] the sibling tried just before node i, -1 if first
     nodes_by_rank: tuple[tuple[int, ...], ...]  # nodes grouped by position among their siblings
+    prev_in_rank: tuple[tuple[int, ...], ...]  # per rank > 0: each node's previous sibling, as a position in
+    #                                            the previous rank's group
+    rank_order_inverse: tuple[int, ...]  # [N] node i's position in the concatenated rank groups
+    nodes_by_depth: tuple[tuple[int, ...], ...]  # nodes grouped by depth (1 = children of the root)
     child_table: tuple[tuple[int, ...], ...]  # [N + 1, max_children] node ids per slot, -1 padded
     last_child: tuple[int, ...]  # [N + 1] last child of each slot, -1 for a leaf
 
@@ -132,13 +138,20 @@ def _tree_shape(parents: tuple[int, ...]) -> _Shape:
         sibs.append(i)
         depth[i + 1] = depth[par + 1] + 1
     width = max((len(c) for c in children), default=0)
-    by_rank = tuple(tuple(i for i in range(n) if ranks[i] == r) for r in range(width))
+    by_rank = [[i for i in range(n) if ranks[i] == r] for r in range(width)]
+    position = {i: pos for group in by_rank for pos, i in enumerate(group)}
+    order = [i for group in by_rank for i in group]
+    inverse = [0] * n
+    for pos, i in enumerate(order):
+        inverse[i] = pos
     return _Shape(
         num_nodes=n,
         depth=max(depth),
         parent_slot=tuple(p + 1 for p in parents),
-        prev_sibling=tuple(prev_sibling),
-        nodes_by_rank=by_rank,
+        nodes_by_rank=tuple(tuple(g) for g in by_rank),
+        prev_in_rank=tuple(tuple(position[prev_sibling[i]] for i in g) for g in by_rank[1:]),
+        rank_order_inverse=tuple(inverse),
+        nodes_by_depth=tuple(tuple(i for i in range(n) if depth[i + 1] == d) for d in range(1, max(depth) + 1)),
         child_table=tuple(tuple(c + [-1] * (width - len(c))) for c in children),
         last_child=tuple(c[-1] if c else -1 for c in children),
     )
@@ -186,10 +199,18 @@ def verify_tree_batch(
     draft_probs = draft_probs.float().to(dev)
     tokens, uniforms = tokens.to(dev), uniforms.to(dev)
 
+    def ids(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=dev)
+
+    def rows_at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # t [B, M, V], index [B] -> [B, V]
+        return t.gather(1, index.view(bsz, 1, 1).expand(bsz, 1, vocab)).squeeze(1)
+
+    # (index_select / gather rather than advanced indexing: the latter is several times slower on CPU.)
     present = tokens >= 0  # [B, N]
-    for i, par in enumerate(shape.parent_slot):  # an absent node hides its subtree
-        if par > 0:
-            present[:, i] &= present[:, par - 1]
+    for nodes in shape.nodes_by_depth[1:]:  # an absent node hides its subtree
+        idx = ids(nodes)
+        par_present = present.index_select(1, ids([shape.parent_slot[i] - 1 for i in nodes]))
+        present.index_copy_(1, idx, present.index_select(1, idx) & par_present)
     tok = tokens.clamp(min=0).unsqueeze(-1)  # [B, N, 1]
     q_x = draft_probs.gather(2, tok).squeeze(-1)  # [B, N]
     if bool((present & ~(q_x > 0)).any()):
@@ -198,45 +219,48 @@ def verify_tree_batch(
             f"candidate node {bad[1]} (tree {bad[0]}) has draft probability 0 for its own token: "
             "draft_probs must be the law the token was drawn from"
         )
-
-    # r: the residual each node is tried against; after: the residual once it is rejected (absent: unchanged).
-    r = torch.empty_like(draft_probs)  # [B, N, V]
-    after = torch.empty_like(draft_probs)  # [B, N, V]
-    for rank, nodes in enumerate(shape.nodes_by_rank):
-        idx = torch.tensor(nodes, dtype=torch.long, device=dev)
-        if rank == 0:
-            r[:, idx] = target_probs[:, [shape.parent_slot[i] for i in nodes]]
-        else:
-            r[:, idx] = after[:, [shape.prev_sibling[i] for i in nodes]]
-        res = residual_distribution(r[:, idx], draft_probs[:, idx])
-        after[:, idx] = torch.where(present[:, idx].unsqueeze(-1), res, r[:, idx])
-    r_x = r.gather(2, tok).squeeze(-1)  # [B, N]
-    # u < r(x)/q(x) without dividing: q(x) > 0 is checked above, and r(x) >= q(x) accepts surely (u < 1).
-    accept = present & (uniforms[:, :n] * q_x < r_x)  # [B, N]
-
     if n == 0:  # no speculation: a bonus draw from p
         path = torch.empty(bsz, 0, dtype=torch.long, device=dev)
         final = sample_with_uniforms(target_probs[:, 0], uniforms[:, 0])
         ones = torch.ones(bsz, dtype=torch.bool, device=dev)
         return BatchVerifyOutput(path, path.clone(), torch.zeros(bsz, dtype=torch.long, device=dev), final, ones)
-    child_table = torch.tensor(shape.child_table, dtype=torch.long, device=dev)  # [N + 1, max_children]
-    last_child = torch.tensor(shape.last_child, dtype=torch.long, device=dev)  # [N + 1]
-    rows = torch.arange(bsz, device=dev)
+
+    # Per sibling rank: r, the residual a node is tried against, and `after`, the residual once it is
+    # rejected (an absent node leaves it unchanged). Rank j's r is rank j-1's `after`.
+    r_x_parts, after_parts = [], []
+    for rank, nodes in enumerate(shape.nodes_by_rank):
+        idx = ids(nodes)
+        if rank == 0:
+            r = target_probs.index_select(1, ids([shape.parent_slot[i] for i in nodes]))  # [B, n_rank, V]
+        else:
+            r = after_parts[-1].index_select(1, ids(shape.prev_in_rank[rank - 1]))
+        res = residual_distribution(r, draft_probs.index_select(1, idx))
+        after_parts.append(torch.where(present.index_select(1, idx).unsqueeze(-1), res, r))
+        r_x_parts.append(r.gather(2, tok.index_select(1, idx)).squeeze(-1))  # [B, n_rank]
+    inverse = ids(shape.rank_order_inverse)
+    r_x = torch.cat(r_x_parts, dim=1).index_select(1, inverse)  # [B, N]
+    after = torch.cat(after_parts, dim=1).index_select(1, inverse)  # [B, N, V]
+    # u < r(x)/q(x) without dividing: q(x) > 0 is checked above, and r(x) >= q(x) accepts surely (u < 1).
+    accept = present & (uniforms[:, :n] * q_x < r_x)  # [B, N]
+
+    child_table = ids(shape.child_table)  # [N + 1, max_children]
+    last_child = ids(shape.last_child).clamp(min=0)  # [N + 1]; leaves never read it
     slot = torch.zeros(bsz, dtype=torch.long, device=dev)  # [B] where each walk stands; 0 = root
     done = torch.zeros(bsz, dtype=torch.bool, device=dev)
     bonus = torch.zeros(bsz, dtype=torch.bool, device=dev)
     path = torch.full((bsz, shape.depth), -1, dtype=torch.long, device=dev)
     final_probs = torch.zeros(bsz, vocab, device=dev)  # [B, V]
     for step in range(shape.depth + 1):  # a walk ends at the latest on a leaf at depth `shape.depth`
-        kids = child_table[slot].clamp(min=0)  # [B, max_children]
-        kid_ok = (child_table[slot] >= 0) & present.gather(1, kids)
+        table = child_table.index_select(0, slot)  # [B, max_children]
+        kids = table.clamp(min=0)
+        kid_ok = (table >= 0) & present.gather(1, kids)
         kid_acc = kid_ok & accept.gather(1, kids)
         leaf = ~done & ~kid_ok.any(dim=1)
         rejected = ~done & ~leaf & ~kid_acc.any(dim=1)
         advance = ~done & kid_acc.any(dim=1)
         chosen = kids.gather(1, kid_acc.long().argmax(dim=1, keepdim=True)).squeeze(1)  # first accepted
-        final_probs = torch.where(leaf.unsqueeze(1), target_probs[rows, slot], final_probs)
-        recovered = after[rows, last_child[slot].clamp(min=0)]  # [B, V]
+        final_probs = torch.where(leaf.unsqueeze(1), rows_at(target_probs, slot), final_probs)
+        recovered = rows_at(after, last_child.index_select(0, slot))  # [B, V]
         final_probs = torch.where(rejected.unsqueeze(1), recovered, final_probs)
         bonus |= leaf
         done |= leaf | rejected
