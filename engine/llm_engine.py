@@ -8,6 +8,7 @@ actors without touching this loop.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -91,6 +92,9 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
         req = Request(next(self._seq_ids), str(request_id), token_ids, params)
+        # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
+        # candidates and uniforms without exchanging them, and no request's stream depends on another's.
+        req.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.scheduler.add(req)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         self._stop[req.seq_id] = StopChecker(stop_ids, params.stop, self.tokenizer)
@@ -224,4 +228,4 @@ class LLMEngine:
 
 def _spec(req: Request) -> SamplingSpec:
     p = req.params
-    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, p.seed)
+    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed)

@@ -75,6 +75,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_cached_target: int = 0  # tokens with committed KV in the target cache
     num_cached_draft: int = 0  # tokens with committed KV in the draft cache
+    seed: int | None = None  # the sampling streams' seed: the user's, or one the engine drew
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from workers.input_batch import SeqForward
-from workers.messages import CommitSpec, RoundResult, TargetStep, TargetStepOutput, VerifySeq
+from workers.messages import CommitSpec, PrefillSeq, RoundResult, TargetStep, TargetStepOutput, VerifySeq
 from workers.sampling import logits_to_probs, sample
 from workers.verification import CandidateTree, verify_greedy, verify_tree
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
@@ -31,37 +31,50 @@ class TargetWorker(WorkerBase):
 
     @torch.inference_mode()
     def step(self, msg: TargetStep) -> TargetStepOutput:
+        """Every tensor-parallel rank runs the forward; rank 0 samples and verifies, then tells the others
+        which paths to commit (each rank holds its own heads' KV)."""
         self.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
         pieces += [_verify_piece(s) for s in msg.seqs]
-        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V]
+        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
-        if sampled:
-            specs = [p.sample for p in sampled]
-            probs = logits_to_probs(logits[: len(sampled)], sampling_batch(specs, [1] * len(specs), logits.device))
-            gens = [self.generator(p.seq_id, p.sample) for p in sampled]
-            first_tokens = dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
-
         results: list[RoundResult] = []
-        commits: list[CommitSpec] = []
-        row = len(sampled)
-        for s in msg.seqs:
+        if self.tp.is_first:
+            first_tokens = self._sample_first(sampled, logits[: len(sampled)])
+            results = self._verify(msg.seqs, logits[len(sampled):])
+        paths = self.tp.broadcast_int_lists([r.accepted_nodes for r in results] if self.tp.is_first else None,
+                                            len(msg.seqs), self.device)
+        commits = [CommitSpec(s.block_table, s.base_len,
+                              list(range(len(s.token_ids))) + [len(s.token_ids) + j for j in path])
+                   for s, path in zip(msg.seqs, paths, strict=True)]
+        self.runner.commit(commits)
+        return TargetStepOutput(first_tokens=first_tokens, results=results)
+
+    def _sample_first(self, sampled: list[PrefillSeq], logits: torch.Tensor) -> dict[int, int]:
+        if not sampled:
+            return {}
+        specs = [p.sample for p in sampled]
+        probs = logits_to_probs(logits, sampling_batch(specs, [1] * len(specs), logits.device))  # [S, V]
+        gens = [self.generator(p.seq_id, p.sample) for p in sampled]
+        return dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
+
+    def _verify(self, seqs: list[VerifySeq], logits: torch.Tensor) -> list[RoundResult]:
+        results: list[RoundResult] = []
+        row = 0
+        for s in seqs:
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
-            tree = CandidateTree(tokens=torch.tensor(s.tree_tokens, dtype=torch.long),
-                                 parents=torch.tensor(s.tree_parents, dtype=torch.long),
-                                 draft_probs=s.draft_probs if s.draft_probs is not None
-                                 else torch.empty(n, 0))
+            q = s.draft_probs.to(self.device) if s.draft_probs is not None else torch.empty(n, 0, device=self.device)
+            tree = CandidateTree(tokens=torch.tensor(s.tree_tokens, dtype=torch.long, device=self.device),
+                                 parents=torch.tensor(s.tree_parents, dtype=torch.long, device=self.device),
+                                 draft_probs=q)
             if s.sampling.greedy:
                 res = verify_greedy(tree, rows.argmax(dim=-1))
             else:
                 p = logits_to_probs(rows, sampling_batch([s.sampling], [n + 1], rows.device))  # [N + 1, V]
                 res = verify_tree(tree, p, self.generator(s.seq_id, s.sampling))
             results.append(RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens)))
-            u = len(s.token_ids)
-            commits.append(CommitSpec(s.block_table, s.base_len, list(range(u)) + [u + j for j in res.accepted_nodes]))
-        self.runner.commit(commits)
-        return TargetStepOutput(first_tokens=first_tokens, results=results)
+        return results

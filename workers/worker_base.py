@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.distributed import TPGroup
 from workers.input_batch import SeqForward
 from workers.loader import load_model
 from workers.messages import PrefillSeq, SamplingSpec
@@ -14,13 +15,14 @@ from workers.worker_config import WorkerConfig
 
 
 class WorkerBase:
-    def __init__(self, config: WorkerConfig, tp=None) -> None:
+    def __init__(self, config: WorkerConfig, tp: TPGroup | None = None) -> None:
         self.config = config
+        self.tp = tp or TPGroup.single()
         self.model_config = ModelConfig.from_pretrained(config.model)
         dtype = parse_dtype(config.dtype, self.model_config.dtype) if config.dtype else self.model_config.dtype
         self.device = torch.device(config.device)
-        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=tp)
-        tp_size = 1 if tp is None else tp.size
+        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=self.tp)
+        tp_size = self.tp.size
         mc = self.model_config
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,
                                   config.num_blocks, config.block_size, dtype, self.device)
