@@ -1,0 +1,107 @@
+"""Build a model from a local Hugging Face checkpoint directory.
+
+Weights come from ``*.safetensors`` only (one file, or shards listed in ``model.safetensors.index.json``).
+They are handed to ``model.load_weights`` as lazy safetensors slices, so with tensor parallelism each rank
+reads just its own rows/columns from disk. Parameters are allocated directly on ``device`` in the target dtype
+and never randomly initialised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from workers.distributed import TPGroup
+from workers.layers import WeightSource
+from workers.model_config import ModelConfig, parse_dtype
+from workers.models.llama import LlamaForCausalLM
+from workers.models.registry import model_class_for
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of a checkpoint: the index's shards, else model.safetensors, else every *.safetensors."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r} (PyTorch .bin checkpoints are not "
+                                "supported; convert them with save_pretrained(..., safe_serialization=True))")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise FileNotFoundError(f"{path!r}: weight shards listed in {INDEX_FILE} are missing: {missing}")
+    return [os.path.join(path, f) for f in files]
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, WeightSource]]:
+    """(HF name, lazy slice) for every tensor; a slice is only valid until the next item is requested."""
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def checkpoint_dtype(path: str) -> torch.dtype:
+    """The dtype config.json declares, or, when it declares none, that of the first floating tensor stored."""
+    with open(os.path.join(path, "config.json")) as f:
+        raw: dict[str, Any] = json.load(f)
+    declared = raw.get("dtype") or raw.get("torch_dtype")
+    if declared is not None:
+        return parse_dtype(declared)
+    for _, src in iter_weights(path):
+        stored = _SAFETENSORS_DTYPES.get(src.get_dtype())  # type: ignore[union-attr]
+        if stored is not None:
+            return stored
+    return torch.float32
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu", tp: TPGroup | None = None,
+               config: ModelConfig | None = None) -> LlamaForCausalLM:
+    """The model in ``path`` on ``device``, in ``dtype`` (default: the checkpoint's), this rank's shard of it.
+
+    With tensor parallelism every rank calls this with its own ``tp`` (``TPGroup.from_process_group()``).
+    ``config``: ``ModelConfig.from_pretrained(path)`` already read elsewhere (e.g. by the controller), which
+    spares each worker importing transformers; its dtype is ignored in favour of ``dtype``/the checkpoint's.
+    """
+    path = os.fspath(path)
+    if config is None:
+        config = ModelConfig.from_pretrained(path)  # clear errors for a missing dir / config.json
+    config = replace(config, dtype=dtype or checkpoint_dtype(path))
+    cls = model_class_for(config)
+    with torch.device(device):
+        model = cls(config, tp or TPGroup.single())
+    model.load_weights(iter_weights(path))
+    return model.eval()
+
+
+def has_tokenizer(path: str | os.PathLike[str]) -> bool:
+    return any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint's tokenizer (transformers AutoTokenizer, local files only), or None when it has none."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    if not has_tokenizer(path):
+        return None
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is actually there
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,176 @@
+"""Llama-style decoder (Llama 2/3, Mistral, Qwen2, Qwen3), tensor-parallel through ``workers.layers``.
+
+The families differ only in flags that ``ModelConfig`` reads from config.json: q/k/v (and o) bias, Qwen3's
+per-head q/k RMSNorm, RoPE scaling, tied embeddings. Attention itself is delegated to the
+``AttentionContext`` the runner builds for each forward, so this file knows nothing about caches or trees.
+
+Our parameter names are Hugging Face's except for two merges: ``self_attn.qkv_proj`` (q_proj, k_proj, v_proj)
+and ``mlp.gate_up_proj`` (gate_proj, up_proj); ``load_weights`` takes the HF names and routes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from workers.attention import AttentionContext
+from workers.distributed import TPGroup
+from workers.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightSource,
+    apply_rotary,
+    silu_and_mul,
+)
+from workers.model_config import ModelConfig
+
+# HF name fragment -> (our module name fragment, shard id passed to that module's weight_loader)
+_MERGED = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+# Checkpoint entries that carry no weights we use (old checkpoints saved RoPE tables).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
+                                          config.num_kv_heads, config.attention_bias, tp, config.dtype)
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
+        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size,
+                                        config.o_proj_bias, tp, config.dtype)
+        if config.qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
+            self.k_norm: RMSNorm | None = RMSNorm(config.head_dim, config.rms_norm_eps, config.dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv / tp, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq / tp, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       config.mlp_bias, tp, config.dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp,
+                                           config.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, H]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, config.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary_emb(positions)  # [T, D] each, once for all layers
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model-runner interface: ``forward`` -> final hidden states, ``compute_logits`` -> full-vocab logits."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp or TPGroup.single()
+        config.check_tp(self.tp.size)
+        self.model = LlamaModel(config, self.tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp, config.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # same sharding, so one tensor serves both
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: [T] long (a flattened batch) -> hidden states after the final norm [T, H]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 over the whole vocabulary (identical on every TP rank)."""
+        return self.lm_head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Load (HF name, tensor or safetensors slice) pairs; every parameter must be covered exactly."""
+        params = dict(self.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for hf_name, src in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints also store the head; the embedding is the source of truth
+            name, shard_id = hf_name, None
+            for hf_part, (ours, sid) in _MERGED.items():
+                if hf_part in hf_name:
+                    name, shard_id = hf_name.replace(hf_part, ours), sid
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in "
+                               f"{type(self).__name__} ({self.config.architecture})")
+            module_name, _, _ = name.rpartition(".")
+            modules[module_name].weight_loader(params[name], src, shard_id)
+            loaded.add(name if shard_id is None else f"{name}:{shard_id}")
+        self._check_complete(params, loaded)
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        expected: set[str] = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected.update(f"{name}:{s}" for s in ("q", "k", "v"))
+            elif ".gate_up_proj." in name:
+                expected.update(f"{name}:{s}" for s in (0, 1))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing weights for: {shown}")
