@@ -7,7 +7,7 @@ import json
 import sys
 
 from engine.batch_job import run_batch
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig, default_model_dirs
+from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
 from engine.llm_engine import LLMEngine
 from scheduler.scheduler import SchedulerConfig
 
@@ -26,6 +26,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size per model, in tokens")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="target ranks (Ray actors)")
+    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one if needed)")
+    p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None,
+                   help="uni: workers in this process (tp 1 only); ray: Ray actors. Default: ray when "
+                        "tensor parallelism or --address asks for it")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -42,17 +47,22 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size),
-        cache=CacheConfig(block_size=args.block_size, num_kv_tokens=args.num_kv_tokens))
+        cache=CacheConfig(block_size=args.block_size, num_kv_tokens=args.num_kv_tokens),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, address=args.address,
+                                backend=args.distributed_executor_backend))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     defaults = {k: v for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature}.items()
                 if v is not None}
-    engine = LLMEngine(engine_config_from_args(args))
     with open(args.input, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    with open(args.output, "w", encoding="utf-8") as out:
-        summary = run_batch(engine, lines, out, defaults, progress=not args.no_progress)
+    engine = LLMEngine(engine_config_from_args(args))
+    try:
+        with open(args.output, "w", encoding="utf-8") as out:
+            summary = run_batch(engine, lines, out, defaults, progress=not args.no_progress)
+    finally:
+        engine.shutdown()
     print(json.dumps(summary), file=sys.stderr)
     return 0
 
@@ -71,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -39,7 +39,8 @@ class SpeculativeConfig:
     - ``tree_sampling``: how siblings are drawn at temperature > 0: "iid" (with replacement, SpecInfer),
       "without_replacement" (recursive rejection sampling) or "deterministic" (the draft's top tokens; lossless,
       accepts less); greedy requests always take the draft's top tokens;
-    - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused.
+    - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
+    - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1).
     """
 
     model: str
@@ -48,6 +49,7 @@ class SpeculativeConfig:
     tree_branching: list[int] | None = None
     tree_sampling: str = "iid"
     max_tree_nodes: int = 64
+    draft_tensor_parallel_size: int = 1  # independent of the target's
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig, default_model_dirs
+from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
 from engine.llm_engine import LLMEngine, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
@@ -23,7 +23,9 @@ class LLM:
     def __init__(self, target: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,
                  *, tokenizer: str | None = None, dtype: str | None = None, device: str = "cpu",
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, num_kv_tokens: int | None = None) -> None:
+                 block_size: int = 16, num_kv_tokens: int | None = None, tensor_parallel_size: int = 1,
+                 address: str | None = None, distributed_executor_backend: str | None = None,
+                 transport: str = "zmq") -> None:
         if target is None:
             target, draft = default_model_dirs()
             if speculative_config is None:
@@ -33,7 +35,19 @@ class LLM:
             dtype=dtype, device=device, max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       block_size=block_size),
-            cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens)))
+            cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, address=address,
+                                    backend=distributed_executor_backend, transport=transport)))
+
+    def shutdown(self) -> None:
+        """Release the workers (Ray actors and placement groups, sockets)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> Any:

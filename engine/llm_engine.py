@@ -7,6 +7,7 @@ actors without touching this loop.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import time
@@ -61,7 +62,10 @@ class LLMEngine:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
         self.has_draft = draft_cfg is not None
-        self.executor = make_executor(config.parallel,
+        parallel = config.parallel
+        if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
+            parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
+        self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size

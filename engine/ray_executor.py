@@ -1,0 +1,192 @@
+"""Workers in Ray actors: the draft on its own bundle(s), the target's tensor-parallel ranks packed on one node.
+
+Ray does placement, lifecycle and health; the per-round messages go over zmq as msgpack frames (or, with
+``transport="ray"``, as plain actor calls — kept for comparison: see engine/benchmarks/transport.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from engine import codec
+from engine.config import ParallelConfig
+from engine.placement import PlacementPlan, missing_resources, plan_placement
+from engine.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
+from workers.messages import DraftStep, TargetStep, TargetStepOutput, WorkerReply
+from workers.verification import CandidateTree
+from workers.worker_config import WorkerConfig
+
+STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
+
+
+class RayExecutor:
+    def __init__(self, parallel: ParallelConfig, target: WorkerConfig, draft: WorkerConfig | None) -> None:
+        import ray
+
+        self.parallel = parallel
+        self._started_ray = False
+        self._groups: list[Any] = []
+        self._actors: dict[str, list[Any]] = {"target": [], "draft": []}
+        self._zmq: dict[str, list[Any]] = {}
+        self._reply = None
+        try:
+            if not ray.is_initialized():
+                self._init_ray(parallel, draft is not None)
+            plan = plan_placement(parallel.tensor_parallel_size, parallel.draft_tensor_parallel_size,
+                                  draft is not None, ray.cluster_resources().get("GPU", 0.0))
+            self.plan = plan
+            # Target first: its STRICT_PACK group is the harder one to place.
+            self._start_role("target", target, plan.target_bundles, plan, "STRICT_PACK")
+            if draft is not None:
+                self._start_role("draft", draft, plan.draft_bundles, plan, "PACK")
+            if parallel.transport == "zmq":
+                self._start_zmq()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------------------------------- start-up
+    def _init_ray(self, parallel: ParallelConfig, has_draft: bool) -> None:
+        import ray
+
+        if parallel.address:
+            ray.init(address=parallel.address, log_to_driver=False)
+        else:
+            # A local cluster must offer one CPU bundle per worker even on a 2-core machine: bundles are
+            # reservations, and these workers mostly wait on each other.
+            bundles = parallel.tensor_parallel_size + (parallel.draft_tensor_parallel_size if has_draft else 0)
+            ray.init(num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        self._started_ray = True
+
+    def _start_role(self, role: str, config: WorkerConfig, bundles: list[dict[str, float]], plan: PlacementPlan,
+                    strategy: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pg = placement_group(bundles, strategy=strategy, name="")
+        self._groups.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=self.parallel.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            self._groups.remove(pg)
+            nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+            why = missing_resources(plan, ray.available_resources(), nodes) or "not enough free resources"
+            raise RuntimeError(
+                f"could not place the {role} workers within {self.parallel.placement_timeout_s:g} s: {why}. "
+                f"Needed: {plan.describe()}. Cluster resources: {ray.cluster_resources()}. Lower "
+                "tensor_parallel_size / draft_tensor_parallel_size, or add nodes.") from None
+        remote = ray.remote(WorkerProcess)
+        actors = [
+            remote.options(num_cpus=0, num_gpus=1 if plan.use_gpu else 0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               placement_group=pg, placement_group_bundle_index=rank),
+                           max_concurrency=4).remote(role, config, rank, len(bundles))
+            for rank in range(len(bundles))
+        ]
+        self._actors[role] = actors
+        master_addr, master_port = ray.get(actors[0].address.remote())
+        try:
+            ray.get([a.setup.remote(master_addr, master_port, plan.use_gpu) for a in actors])
+        except ray.exceptions.RayError as e:
+            raise RuntimeError(f"starting the {role} workers failed: {e}") from e
+
+    def _start_zmq(self) -> None:
+        import ray
+        import zmq
+
+        ctx = zmq.Context.instance()
+        self._reply = ctx.socket(zmq.PULL)
+        port = self._reply.bind_to_random_port(f"tcp://{node_ip()}")
+        addr = f"tcp://{node_ip()}:{port}"
+        for role, actors in self._actors.items():
+            pushes = []
+            for endpoint in ray.get([a.serve.remote(addr) for a in actors]):
+                s = ctx.socket(zmq.PUSH)
+                s.connect(endpoint)
+                pushes.append(s)
+            self._zmq[role] = pushes
+
+    # ------------------------------------------------------------------------------------------- the hot path
+    def _call(self, role: str, payload: bytes, op: bytes = OP_STEP) -> Any:
+        if self.parallel.transport == "zmq":
+            for s in self._zmq[role]:
+                s.send_multipart([op, payload], copy=False)
+            return self._await_zmq(role)
+        import ray
+
+        method = "execute" if op == OP_STEP else "echo"
+        replies = ray.get([getattr(a, method).remote(payload) for a in self._actors[role]])
+        decoded = [codec.decode(r) for r in replies]
+        for r in decoded:
+            if r.error is not None:
+                raise RuntimeError(f"worker failed:\n{r.error}")
+        return decoded[0].result
+
+    def _await_zmq(self, role: str) -> Any:
+        import zmq
+
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while True:
+            if self._reply.poll(timeout=1000, flags=zmq.POLLIN):
+                got_role, rank, payload = self._reply.recv_multipart()
+                reply: WorkerReply = codec.decode(payload)
+                if reply.error is not None:
+                    raise RuntimeError(f"worker failed:\n{reply.error}")
+                if got_role.decode() == role and rank == b"0":
+                    return reply.result
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"no reply from the {role} workers within {STEP_TIMEOUT_S:g} s")
+
+    def draft_step(self, msg: DraftStep) -> list[CandidateTree]:
+        return self._call("draft", codec.encode(msg))
+
+    def target_step(self, msg: TargetStep) -> TargetStepOutput:
+        return self._call("target", codec.encode(msg))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every worker rank's role, rank, node, GPU ids and device."""
+        import ray
+
+        return ray.get([a.describe.remote() for actors in self._actors.values() for a in actors])
+
+    def echo(self, role: str, msg: Any) -> Any:
+        """Round trip through the transport without running a model (overhead benchmark)."""
+        return self._call(role, codec.encode(msg), OP_ECHO)
+
+    # ------------------------------------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for pushes in self._zmq.values():
+            for s in pushes:
+                try:
+                    s.send_multipart([OP_STOP, b""], flags=1)  # zmq.NOBLOCK
+                except Exception:
+                    pass
+                s.close(linger=0)
+        self._zmq = {}
+        if self._reply is not None:
+            self._reply.close(linger=0)
+            self._reply = None
+        for actors in self._actors.values():
+            for a in actors:
+                try:
+                    ray.kill(a)
+                except Exception:
+                    pass
+        self._actors = {"target": [], "draft": []}
+        for pg in self._groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self._groups = []
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False

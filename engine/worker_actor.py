@@ -1,0 +1,152 @@
+"""The process that hosts one worker rank inside a Ray actor.
+
+Ray starts it, places it and watches its health; per-round messages arrive either as Ray calls (``execute``)
+or, on the hot path, as msgpack frames on a zmq PULL socket served by a background thread (``serve``).
+Rank 0 of each role replies; the other ranks only run their share of the forward (and report errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from engine import codec
+from workers.messages import RoundResult, TargetStep, TargetStepOutput, WorkerReply
+from workers.worker_config import WorkerConfig
+
+OP_STEP = b"step"
+OP_ECHO = b"echo"  # decode and answer without running the model: measures the transport alone
+OP_STOP = b"stop"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class WorkerProcess:
+    """Wrapped by ``ray.remote`` in engine/ray_executor.py (no Ray decorator here: no import-time side effects)."""
+
+    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int) -> None:
+        self.role = role
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.worker: Any = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def address(self) -> tuple[str, int]:
+        """(ip, free port): rank 0's is the torch.distributed rendezvous for its group, chosen per engine."""
+        return node_ip(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, use_gpu: bool) -> str:
+        """Join the role's process group and load this rank's shard; returns the device used."""
+        import torch.distributed as dist
+
+        from workers.distributed import TPGroup
+
+        gpu = use_gpu and torch.cuda.is_available()
+        # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU; without a real one (a cluster that declares
+        # fake GPUs, or CPU-only nodes) the worker runs on the CPU with Gloo.
+        device = "cuda:0" if gpu else "cpu"
+        if gpu:
+            torch.cuda.set_device(0)
+        torch.set_num_threads(max(1, int(os.environ.get("SPECSERVE_WORKER_THREADS", "1"))))
+        tp = TPGroup.single()
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
+            tp = TPGroup.from_process_group()
+        cfg = dataclasses.replace(self.config, device=device)
+        if self.role == "target":
+            from workers.target_worker import TargetWorker
+
+            self.worker = TargetWorker(cfg, tp)
+        else:
+            from workers.draft_worker import DraftWorker
+
+            self.worker = DraftWorker(cfg, tp)
+        return device
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank landed (placement tests and diagnostics)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "node_id": ctx.get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                "device": None if self.worker is None else str(self.worker.device)}
+
+    def execute(self, payload: bytes) -> bytes:
+        """One round through a Ray call."""
+        return self._handle(OP_STEP, payload)
+
+    def echo(self, payload: bytes) -> bytes:
+        return self._handle(OP_ECHO, payload)
+
+    def _handle(self, op: bytes, payload: bytes) -> bytes:
+        try:
+            msg = codec.decode(payload)
+            if op == OP_ECHO:
+                result: Any = _echo_result(msg)
+            else:
+                result = self.worker.step(msg)
+            return codec.encode(WorkerReply(result=result if self.rank == 0 else None))
+        except Exception:  # the controller re-raises it with the worker's traceback
+            return codec.encode(WorkerReply(error=f"{self.role} rank {self.rank}: {traceback.format_exc()}"))
+
+    def serve(self, controller_addr: str) -> str:
+        """Start the zmq loop in a thread; returns the address the controller should push frames to."""
+        import zmq
+
+        ctx = zmq.Context.instance()
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port(f"tcp://{node_ip()}")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(controller_addr)
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                op, payload = pull.recv_multipart()
+                if op == OP_STOP:
+                    break
+                reply = self._handle(op, payload)
+                # Rank 0 answers every frame; other ranks speak only to report an error.
+                if self.rank == 0 or codec.decode(reply).error is not None:
+                    push.send_multipart([self.role.encode(), str(self.rank).encode(), reply])
+            pull.close(linger=0)
+            push.close(linger=0)
+
+        self._thread = threading.Thread(target=loop, name=f"{self.role}-{self.rank}-zmq", daemon=True)
+        self._thread.start()
+        return f"tcp://{node_ip()}:{port}"
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _echo_result(msg: Any) -> Any:
+    """A reply shaped like a real one, so the benchmark pays the same encoding costs."""
+    if isinstance(msg, TargetStep):
+        return TargetStepOutput(first_tokens={}, results=[RoundResult(list(range(len(s.tree_tokens))),
+                                                                      s.tree_tokens + [0]) for s in msg.seqs])
+    return None
