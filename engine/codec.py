@@ -23,7 +23,8 @@ _EXT_TENSOR = 2
 _CLASSES: dict[str, type] = {
     cls.__name__: cls
     for cls in (messages.SamplingSpec, messages.PrefillSeq, messages.CommitSpec, messages.DraftSeq,
-                messages.DraftStep, messages.VerifySeq, messages.TargetStep, messages.RoundResult,
+                messages.DraftStep, messages.GuessSpec, messages.DraftResult,
+                messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.RoundResult,
                 messages.TargetStepOutput, messages.WorkerReply, CandidateTree)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {

@@ -1,23 +1,29 @@
-"""Where the workers run. The controller loop only ever calls ``draft_step`` and ``target_step``.
+"""Where the workers run. The controller loop only talks to an ``Executor``.
 
-``LocalExecutor`` keeps both workers in this process (one machine, no Ray: tests and the default for
-tensor_parallel_size 1). ``RayExecutor`` (engine/ray_executor.py) places them in Ray actors.
+Calls can be split into submit/wait so the draft works while the target verifies (pipelining); at most one
+call per role is in flight. ``LocalExecutor`` keeps both workers in this process, the draft on a background
+thread (torch releases the GIL in its kernels), for tests and tensor_parallel_size 1. ``RayExecutor``
+(engine/ray_executor.py) places them in Ray actors.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from engine.config import ParallelConfig
-from workers.messages import DraftStep, TargetStep, TargetStepOutput
-from workers.verification import CandidateTree
+from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput
 from workers.worker_config import WorkerConfig
 
 
 class Executor(Protocol):
-    def draft_step(self, msg: DraftStep) -> list[CandidateTree]: ...
+    def submit_draft(self, msg: DraftStep) -> None: ...
 
-    def target_step(self, msg: TargetStep) -> TargetStepOutput: ...
+    def wait_draft(self) -> DraftStepOutput: ...
+
+    def submit_target(self, msg: TargetStep) -> None: ...
+
+    def wait_target(self) -> TargetStepOutput: ...
 
     def shutdown(self) -> None: ...
 
@@ -29,15 +35,33 @@ class LocalExecutor:
 
         self.target = TargetWorker(target)
         self.draft = DraftWorker(draft) if draft is not None else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft") if draft is not None else None
+        self._draft_future: Future | None = None
+        self._target_msg: TargetStep | None = None
 
-    def draft_step(self, msg: DraftStep) -> list[CandidateTree]:
-        assert self.draft is not None, "draft_step without a draft model"
-        return self.draft.step(msg)
+    def submit_draft(self, msg: DraftStep) -> None:
+        assert self.draft is not None and self._pool is not None, "draft call without a draft model"
+        assert self._draft_future is None, "a draft call is already in flight"
+        self._draft_future = self._pool.submit(self.draft.step, msg)
 
-    def target_step(self, msg: TargetStep) -> TargetStepOutput:
+    def wait_draft(self) -> DraftStepOutput:
+        assert self._draft_future is not None, "no draft call in flight"
+        fut, self._draft_future = self._draft_future, None
+        return fut.result()
+
+    def submit_target(self, msg: TargetStep) -> None:
+        # Runs in wait_target, on the caller's thread, so a draft submitted in between overlaps with it.
+        assert self._target_msg is None, "a target call is already in flight"
+        self._target_msg = msg
+
+    def wait_target(self) -> TargetStepOutput:
+        assert self._target_msg is not None, "no target call in flight"
+        msg, self._target_msg = self._target_msg, None
         return self.target.step(msg)
 
     def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self.target = None  # type: ignore[assignment]
         self.draft = None
 

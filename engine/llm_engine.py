@@ -119,7 +119,8 @@ class LLMEngine:
             self._draft_commits.pop(req.seq_id, None)
         finished_ids = self._take_finished()
         trees = self._draft(batch, finished_ids)
-        out = self.executor.target_step(self._target_step(batch, trees, finished_ids))
+        self.executor.submit_target(self._target_step(batch, trees, finished_ids))
+        out = self.executor.wait_target()
         finished = self._commit_prefills(batch, out.first_tokens)
         finished += self._commit_rounds(batch, trees, out.results)
         return [self._output(r) for r in finished]
@@ -144,7 +145,9 @@ class LLMEngine:
             msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
                                      r.all_token_ids[r.num_cached_draft:], _spec(r),
                                      list(self.tree.branching[: self._depth(r)])))
-        trees = dict(zip([r.seq_id for r in drafted], self.executor.draft_step(msg), strict=True))
+        self.executor.submit_draft(msg)
+        out = self.executor.wait_draft()
+        trees = {res.seq_id: res.trees[0] for res in out.results}
         return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
 
     def _target_step(self, batch: ScheduledBatch, trees: list[CandidateTree], finished_ids: list[int]) -> TargetStep:

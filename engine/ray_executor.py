@@ -14,8 +14,7 @@ from engine import codec
 from engine.config import ParallelConfig
 from engine.placement import PlacementPlan, missing_resources, plan_placement
 from engine.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
-from workers.messages import DraftStep, TargetStep, TargetStepOutput, WorkerReply
-from workers.verification import CandidateTree
+from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
 STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
@@ -31,6 +30,8 @@ class RayExecutor:
         self._actors: dict[str, list[Any]] = {"target": [], "draft": []}
         self._zmq: dict[str, list[Any]] = {}
         self._reply = None
+        self._in_flight: dict[str, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
+        self._replies: dict[str, Any] = {}  # zmq replies that arrived while waiting for the other role
         try:
             if not ray.is_initialized():
                 self._init_ray(parallel, draft is not None)
@@ -112,24 +113,37 @@ class RayExecutor:
             self._zmq[role] = pushes
 
     # ------------------------------------------------------------------------------------------- the hot path
-    def _call(self, role: str, payload: bytes, op: bytes = OP_STEP) -> Any:
+    def _submit(self, role: str, payload: bytes, op: bytes = OP_STEP) -> None:
+        if role in self._in_flight:
+            raise RuntimeError(f"a {role} call is already in flight")
         if self.parallel.transport == "zmq":
             for s in self._zmq[role]:
                 s.send_multipart([op, payload], copy=False)
+            self._in_flight[role] = None
+        else:
+            method = "execute" if op == OP_STEP else "echo"
+            self._in_flight[role] = [getattr(a, method).remote(payload) for a in self._actors[role]]
+
+    def _wait(self, role: str) -> Any:
+        if role not in self._in_flight:
+            raise RuntimeError(f"no {role} call in flight")
+        refs = self._in_flight.pop(role)
+        if self.parallel.transport == "zmq":
             return self._await_zmq(role)
         import ray
 
-        method = "execute" if op == OP_STEP else "echo"
-        replies = ray.get([getattr(a, method).remote(payload) for a in self._actors[role]])
-        decoded = [codec.decode(r) for r in replies]
+        decoded = [codec.decode(r) for r in ray.get(refs)]
         for r in decoded:
             if r.error is not None:
                 raise RuntimeError(f"worker failed:\n{r.error}")
         return decoded[0].result
 
     def _await_zmq(self, role: str) -> Any:
+        """Rank 0's reply for ``role``; replies for the other role that arrive meanwhile are kept."""
         import zmq
 
+        if role in self._replies:
+            return self._replies.pop(role)
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while True:
             if self._reply.poll(timeout=1000, flags=zmq.POLLIN):
@@ -137,16 +151,25 @@ class RayExecutor:
                 reply: WorkerReply = codec.decode(payload)
                 if reply.error is not None:
                     raise RuntimeError(f"worker failed:\n{reply.error}")
-                if got_role.decode() == role and rank == b"0":
+                if rank != b"0":
+                    continue
+                if got_role.decode() == role:
                     return reply.result
+                self._replies[got_role.decode()] = reply.result
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"no reply from the {role} workers within {STEP_TIMEOUT_S:g} s")
 
-    def draft_step(self, msg: DraftStep) -> list[CandidateTree]:
-        return self._call("draft", codec.encode(msg))
+    def submit_draft(self, msg: DraftStep) -> None:
+        self._submit("draft", codec.encode(msg))
 
-    def target_step(self, msg: TargetStep) -> TargetStepOutput:
-        return self._call("target", codec.encode(msg))
+    def wait_draft(self) -> DraftStepOutput:
+        return self._wait("draft")
+
+    def submit_target(self, msg: TargetStep) -> None:
+        self._submit("target", codec.encode(msg))
+
+    def wait_target(self) -> TargetStepOutput:
+        return self._wait("target")
 
     def describe(self) -> list[dict[str, Any]]:
         """Every worker rank's role, rank, node, GPU ids and device."""
@@ -156,7 +179,8 @@ class RayExecutor:
 
     def echo(self, role: str, msg: Any) -> Any:
         """Round trip through the transport without running a model (overhead benchmark)."""
-        return self._call(role, codec.encode(msg), OP_ECHO)
+        self._submit(role, codec.encode(msg), OP_ECHO)
+        return self._wait(role)
 
     # ------------------------------------------------------------------------------------------- shutdown
     def shutdown(self) -> None:

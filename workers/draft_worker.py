@@ -1,38 +1,79 @@
-"""The draft worker: keeps the draft model's own cache and proposes a candidate tree per request per round.
+"""The draft worker: keeps the draft model's own cache and proposes candidate trees.
 
-A round for one request: feed the tokens the draft has not seen (the pending token, plus accepted nodes
-whose KV it never computed), then expand the tree one depth at a time. Depth d's nodes are forwarded (their KV
-lands in the draft's scratch pad) to get q for depth d+1; the deepest level is never forwarded. Every node
-records the law it was actually drawn from, which is what verification needs for the invariant.
+One call for one request lays out a scratch tree after the committed prefix:
+
+    [in-flight tokens (a chain)] [prediction nodes (pipelining only)] [guess nodes] [one tree per anchor]
+
+First forward: the in-flight chain and the prediction nodes (logits at every anchor and guess point). Guess
+nodes (the draft's most likely tokens at a point, for pipelining) take one more forward. Then every anchor's
+tree grows one depth at a time; depth d's nodes are forwarded to get q for depth d+1, the deepest level never
+is. Every node records the law it was actually drawn from, which is what verification needs for the invariant.
+
+An ordinary round has no predictions and a single anchor: the last in-flight token.
+
+Randomness: the tree below an anchor draws from a generator seeded by (request seed, prefix length at the
+anchor). A tree pre-drafted for a predicted prefix is then exactly the tree a later call would draft for that
+same prefix, so pipelining changes no output, and no draw is ever shared with the verifier's stream.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from workers.input_batch import SeqForward
-from workers.messages import DraftSeq, DraftStep
+from workers.input_batch import SeqForward, node_depths
+from workers.messages import DraftResult, DraftSeq, DraftStep, DraftStepOutput, SamplingSpec
 from workers.proposal import draw_children
 from workers.sampling import logits_to_probs
 from workers.verification import CandidateTree, pad_draft_probs
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
 
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, salt: int, prefix_len: int) -> int:
+    """A 64-bit seed per (request, prefix length): splitmix64 of the pair, so nearby inputs differ widely."""
+    z = ((seed ^ salt) * 0x9E3779B97F4A7C15 + prefix_len) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
+
 
 @dataclass
-class _Growing:
-    """One request's tree while it is being drafted."""
+class _Tree:
+    """One anchor's tree while it is being drafted."""
 
+    root: int  # scratch index of the anchor
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # tree parent indices (-1: the anchor)
+    scratch: list[int] = field(default_factory=list)  # scratch index of each tree node once forwarded
+    laws: list[torch.Tensor] = field(default_factory=list)  # [V] per node (sampled requests only)
+    frontier: list[int] = field(default_factory=lambda: [-1])  # tree nodes expanded next (-1: the anchor)
+
+    def scratch_of(self, node: int) -> int:
+        return self.root if node < 0 else self.scratch[node]
+
+
+@dataclass
+class _Request:
     seq: DraftSeq
-    scratch_parents: list[int]  # parents of the draft's scratch nodes: unseen chain, then tree nodes
-    tokens: list[int] = field(default_factory=list)  # tree nodes
-    parents: list[int] = field(default_factory=list)  # tree parent indices (-1: root)
-    laws: list[torch.Tensor] = field(default_factory=list)  # [V] per tree node (sampled requests only)
-    frontier: list[int] = field(default_factory=list)  # tree nodes expanded next (-1: the root)
+    parents: list[int]  # scratch parents: in-flight chain, prediction nodes, guesses, forwarded tree nodes
+    tokens: list[int]
+    pred_tokens: list[int]
+    pred_parents: list[int]
+    anchors: list[int]
+    trees: list[_Tree] = field(default_factory=list)
 
-    def scratch_index(self, tree_node: int) -> int:
-        return len(self.seq.token_ids) - 1 if tree_node < 0 else len(self.seq.token_ids) + tree_node
+    @property
+    def u(self) -> int:
+        return len(self.seq.token_ids)
+
+    def pred_scratch(self, pred: int) -> int:
+        """Scratch index of prediction node ``pred`` (-1: the last in-flight token)."""
+        return self.u - 1 if pred < 0 else self.u + pred
 
 
 class DraftWorker(WorkerBase):
@@ -41,67 +82,146 @@ class DraftWorker(WorkerBase):
         return self.config.target_vocab_size or self.model_config.vocab_size
 
     @torch.inference_mode()
-    def step(self, msg: DraftStep) -> list[CandidateTree]:
+    def step(self, msg: DraftStep) -> DraftStepOutput:
+        start = time.perf_counter()
         self.runner.commit(msg.commits)
         self.drop(msg.finished)
-        states = [_Growing(s, list(range(-1, len(s.token_ids) - 1)), frontier=[-1]) for s in msg.seqs]
+        reqs = [self._layout(s) for s in msg.seqs]
+
+        # Forward 1: prefills, every in-flight chain and prediction nodes; logits where trees or guesses start.
         pieces = [prefill_forward(p, want_logits=False) for p in msg.prefills]
-        pieces += [SeqForward(block_table=s.block_table, base_len=s.base_len, parents=st.scratch_parents,
-                              token_ids=s.token_ids, logit_nodes=[len(s.token_ids) - 1])
-                   for s, st in zip(msg.seqs, states, strict=True)]
-        logits = self.runner.forward(pieces)  # [num seqs, Vd]: prefills asked for none
-        depth = max((len(s.branching) for s in msg.seqs), default=0)
-        all_states = states
-        for d in range(depth):
-            self._expand(states, logits, d)
-            live = [st for st in states if d + 1 < len(st.seq.branching)]
+        wanted: list[list[int]] = []
+        for r in reqs:
+            points = sorted({r.pred_scratch(a) for a in r.anchors} | {r.pred_scratch(g.at) for g in r.seq.guesses})
+            wanted.append(points)
+            pieces.append(SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), list(r.tokens),
+                                     logit_nodes=points))
+        logits = self.runner.forward(pieces)  # [sum of points, Vd]
+        at: list[dict[int, torch.Tensor]] = []
+        row = 0
+        for points in wanted:
+            at.append({p: logits[row + i] for i, p in enumerate(points)})
+            row += len(points)
+
+        # Forward 2 (pipelining only): the guessed tokens become anchors and need their own logits.
+        guessed = [(r, rows) for r, rows in zip(reqs, at, strict=True) if r.seq.guesses]
+        if guessed:
+            pieces = [self._add_guesses(r, rows) for r, rows in guessed]
+            logits = self.runner.forward(pieces)  # [guess nodes, Vd]
+            row = 0
+            for (_, rows), piece in zip(guessed, pieces, strict=True):
+                for j in piece.logit_nodes:
+                    rows[j] = logits[row]
+                    row += 1
+
+        for r in reqs:
+            depths = node_depths(r.parents)
+            for a in r.anchors:
+                root = r.pred_scratch(a)
+                # Tokens the tree below this anchor conditions on: committed + the path down to the anchor.
+                gen = self._stream(r.seq.sampling, r.seq.base_len + depths[root] + 1)
+                r.trees.append(_Tree(root=root, generator=gen))
+        self._grow(reqs, at)
+        results = [DraftResult(r.seq.seq_id, r.pred_tokens, r.pred_parents, r.anchors,
+                               [self._finish(t) for t in r.trees]) for r in reqs]
+        return DraftStepOutput(results, time.perf_counter() - start)
+
+    def _layout(self, s: DraftSeq) -> _Request:
+        u = len(s.token_ids)
+        parents = list(range(-1, u - 1)) + [u - 1 if p < 0 else u + p for p in s.pred_parents]
+        return _Request(s, parents, list(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
+                        list(s.pred_parents), list(s.anchors))
+
+    def _add_guesses(self, r: _Request, rows: dict[int, torch.Tensor]) -> SeqForward:
+        first = len(r.parents)
+        new: list[int] = []
+        for g in r.seq.guesses:
+            scores = rows[r.pred_scratch(g.at)].clone()  # [Vd] raw draft logits at the guess point
+            if g.exclude:
+                scores[torch.tensor(g.exclude, dtype=torch.long, device=scores.device)] = float("-inf")
+            for tok in scores.topk(min(g.count, scores.shape[0])).indices.tolist():
+                r.pred_tokens.append(tok)
+                r.pred_parents.append(g.at)
+                r.anchors.append(len(r.pred_tokens) - 1)
+                r.parents.append(r.pred_scratch(g.at))
+                r.tokens.append(tok)
+                new.append(tok)
+        return SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), new, new_start=first,
+                          logit_nodes=list(range(first, len(r.parents))))
+
+    def _stream(self, spec: SamplingSpec, prefix_len: int) -> torch.Generator | None:
+        if spec.greedy or spec.seed is None:
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(stream_seed(spec.seed, self.config.draft_seed_salt, prefix_len))
+        return gen
+
+    def _grow(self, reqs: list[_Request], at: list[dict[int, torch.Tensor]]) -> None:
+        """Grow every anchor's tree depth by depth; one forward per depth over all requests."""
+        # rows[i]: logits for each frontier node of each tree of request i, in (tree, frontier) order.
+        rows = [[at[i][t.root] for t in r.trees] for i, r in enumerate(reqs)]
+        live = list(range(len(reqs)))
+        for d in range(max((len(r.seq.branching) for r in reqs), default=0)):
+            live = [i for i in live if d < len(reqs[i].seq.branching)]
+            if not live:
+                break
+            self._expand([reqs[i] for i in live], [rows[i] for i in live], d)
+            live = [i for i in live if d + 1 < len(reqs[i].seq.branching)]
             if not live:
                 break
             pieces = []
-            for st in live:
-                new = st.frontier
-                start = len(st.scratch_parents)
-                st.scratch_parents += [st.scratch_index(st.parents[t]) for t in new]
-                pieces.append(SeqForward(block_table=st.seq.block_table, base_len=st.seq.base_len,
-                                         parents=list(st.scratch_parents), token_ids=[st.tokens[t] for t in new],
-                                         new_start=start, logit_nodes=list(range(start, start + len(new)))))
+            for i in live:
+                r = reqs[i]
+                first = len(r.parents)
+                toks: list[int] = []
+                for t in r.trees:
+                    for node in t.frontier:
+                        t.scratch.append(len(r.parents))
+                        r.parents.append(t.scratch_of(t.parents[node]))
+                        toks.append(t.tokens[node])
+                pieces.append(SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), toks, new_start=first,
+                                         logit_nodes=list(range(first, len(r.parents)))))
             logits = self.runner.forward(pieces)  # [sum of frontier sizes, Vd]
-            states = live  # _expand reads the rows in (request, frontier node) order, as laid out above
-        return [self._finish(st) for st in all_states]
+            row = 0
+            for i, piece in zip(live, pieces, strict=True):
+                n = len(piece.logit_nodes)
+                rows[i] = list(logits[row: row + n])
+                row += n
 
-    def _expand(self, states: list[_Growing], logits: torch.Tensor, d: int) -> None:
-        """Draw depth-d children for every frontier node; rows of ``logits`` follow the frontiers in order."""
-        counts = [len(st.frontier) for st in states]
-        specs = [st.seq.sampling for st in states]
+    def _expand(self, reqs: list[_Request], rows: list[list[torch.Tensor]], d: int) -> None:
+        """Draw depth-d children for every frontier node of every tree."""
+        flat = [x for rr in rows for x in rr]
+        counts = [len(rr) for rr in rows]
+        logits = torch.stack(flat)  # [rows, Vd]
         probs = logits_to_probs(pad_draft_probs(logits, self.vocab_size),
-                                sampling_batch(specs, counts, logits.device))  # [rows, V]
+                                sampling_batch([r.seq.sampling for r in reqs], counts, logits.device))  # [rows, V]
         row = 0
-        for st in states:
-            width = st.seq.branching[d]
-            gen = self.generator(st.seq.seq_id, st.seq.sampling, self.config.draft_seed_salt)
-            new_frontier: list[int] = []
-            for parent in st.frontier:
-                if st.seq.sampling.greedy:
-                    # Greedy requests are verified by argmax matching, which needs no law: the draft's top
-                    # tokens by raw logit are the best guesses of the target's argmax.
-                    toks = logits[row].topk(min(width, logits.shape[1])).indices
-                    laws = None
-                else:
-                    toks, laws = draw_children(probs[row], width, self.config.tree_sampling, gen)
-                for i, tok in enumerate(toks.tolist()):
-                    new_frontier.append(len(st.tokens))
-                    st.tokens.append(tok)
-                    st.parents.append(parent)
-                    if laws is not None:
-                        st.laws.append(laws[i])
-                row += 1
-            st.frontier = new_frontier
+        for r in reqs:
+            width = r.seq.branching[d]
+            for t in r.trees:
+                new_frontier: list[int] = []
+                for parent in t.frontier:
+                    if r.seq.sampling.greedy:
+                        # Greedy requests are verified by argmax matching, which needs no law: the draft's
+                        # top tokens by raw logit are the best guesses of the target's argmax.
+                        toks = logits[row].topk(min(width, logits.shape[1])).indices
+                        laws = None
+                    else:
+                        toks, laws = draw_children(probs[row], width, self.config.tree_sampling, t.generator)
+                    for k, tok in enumerate(toks.tolist()):
+                        new_frontier.append(len(t.tokens))
+                        t.tokens.append(tok)
+                        t.parents.append(parent)
+                        if laws is not None:
+                            t.laws.append(laws[k])
+                    row += 1
+                t.frontier = new_frontier
 
-    def _finish(self, st: _Growing) -> CandidateTree:
-        tokens = torch.tensor(st.tokens, dtype=torch.long)
-        parents = torch.tensor(st.parents, dtype=torch.long)
-        if st.laws:
-            probs = torch.stack(st.laws)  # [N, V]
+    def _finish(self, t: _Tree) -> CandidateTree:
+        tokens = torch.tensor(t.tokens, dtype=torch.long)
+        parents = torch.tensor(t.parents, dtype=torch.long)
+        if t.laws:
+            probs = torch.stack(t.laws)  # [N, V]
         else:
-            probs = torch.empty(len(st.tokens), 0)  # greedy: laws are one-hot by construction, never read
+            probs = torch.empty(len(t.tokens), 0)  # greedy: laws are one-hot by construction, never read
         return CandidateTree(tokens=tokens, parents=parents, draft_probs=probs)

@@ -38,6 +38,17 @@ class CommitSpec:
 
 
 @dataclass
+class GuessSpec:
+    """Pipelining: below scratch node ``at``, add the draft's ``count`` most likely tokens (not in ``exclude``)
+    as predicted outcomes, each an anchor for a pre-drafted tree. ``at`` indexes the prediction nodes, -1 being
+    the last in-flight token."""
+
+    at: int
+    count: int
+    exclude: list[int] = field(default_factory=list)
+
+
+@dataclass
 class DraftSeq:
     seq_id: int
     block_table: list[int]
@@ -45,6 +56,28 @@ class DraftSeq:
     token_ids: list[int]  # tokens the draft has not seen yet (the last one is the tree's root context)
     sampling: SamplingSpec
     branching: list[int]  # children per node at each depth
+    # Pipelining (empty for an ordinary round): predicted tokens hanging below the in-flight tokens
+    # (parents -1 = below the last in-flight token), guesses added by the worker, and the anchors (prediction
+    # node indices, -1 = the last in-flight token) from which to draft a tree each.
+    pred_tokens: list[int] = field(default_factory=list)
+    pred_parents: list[int] = field(default_factory=list)
+    guesses: list[GuessSpec] = field(default_factory=list)
+    anchors: list[int] = field(default_factory=lambda: [-1])
+
+
+@dataclass
+class DraftResult:
+    seq_id: int
+    pred_tokens: list[int]  # the prediction nodes, guesses appended (scratch nodes after the in-flight tokens)
+    pred_parents: list[int]
+    anchors: list[int]  # one per tree: the given anchors, then every guess node
+    trees: list[Any]  # CandidateTree per anchor
+
+
+@dataclass
+class DraftStepOutput:
+    results: list[DraftResult]  # one per DraftSeq, same order
+    elapsed_s: float = 0.0  # worker-side time of the whole step
 
 
 @dataclass
@@ -86,6 +119,7 @@ class RoundResult:
 class TargetStepOutput:
     first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
     results: list[RoundResult]  # one per VerifySeq, same order
+    elapsed_s: float = 0.0  # worker-side time of the whole step
 
 
 @dataclass

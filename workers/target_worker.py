@@ -8,6 +8,8 @@ verification the in-flight tokens and the accepted path are committed; the rest 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from workers.input_batch import SeqForward
@@ -33,6 +35,7 @@ class TargetWorker(WorkerBase):
     def step(self, msg: TargetStep) -> TargetStepOutput:
         """Every tensor-parallel rank runs the forward; rank 0 samples and verifies, then tells the others
         which paths to commit (each rank holds its own heads' KV)."""
+        start = time.perf_counter()
         self.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
@@ -50,7 +53,7 @@ class TargetWorker(WorkerBase):
                               list(range(len(s.token_ids))) + [len(s.token_ids) + j for j in path])
                    for s, path in zip(msg.seqs, paths, strict=True)]
         self.runner.commit(commits)
-        return TargetStepOutput(first_tokens=first_tokens, results=results)
+        return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
 
     def _sample_first(self, sampled: list[PrefillSeq], logits: torch.Tensor) -> dict[int, int]:
         if not sampled:
