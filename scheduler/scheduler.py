@@ -178,7 +178,10 @@ class Scheduler:
             self.running.remove(req)
 
     def after_commit(self, req: Request) -> None:
-        """Give back scratch blocks past what each cache has committed."""
+        """Give back the target's scratch blocks past what it has committed.
+
+        The draft's scratch blocks stay: the draft applies the accepted path's commit at the start of its next
+        step, reading the nodes from their scratch slots. Trimmed here, those blocks could be handed to another
+        request before then and the commit would copy that request's KV. The next round reserves them anyway.
+        """
         self.target_blocks.trim(req.seq_id, req.num_cached_target)
-        if self.draft_blocks is not None:
-            self.draft_blocks.trim(req.seq_id, req.num_cached_draft)

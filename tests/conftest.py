@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random checkpoints built once per session, and small engine helpers.
+
+Every engine test runs on CPU with one thread (the suite must stay fast on one core, and a second thread only
+adds contention on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.helpers_models import make_tiny_checkpoint
+
+torch.set_num_threads(1)
+
+VOCAB = 128
+SMALL_VOCAB = 12
+
+
+@dataclass(frozen=True)
+class Models:
+    """Checkpoint directories for one model family."""
+
+    target: str  # 2 layers
+    draft: str  # a different random model (1 layer): greedy acceptance is near zero
+    perturbed: str  # the target with a little noise on its weights: acceptance is partial
+
+
+def perturb_checkpoint(src: str, dst: str, scale: float, seed: int) -> str:
+    """Copy checkpoint ``src`` to ``dst`` with Gaussian noise of relative size ``scale`` on every weight."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(seed)
+    for name in sorted(weights):
+        w = weights[name]
+        weights[name] = w + scale * w.std() * torch.randn(w.shape, generator=gen, dtype=w.dtype)
+    save_file(weights, path, metadata={"format": "pt"})
+    return dst
+
+
+def _family(tmp_path_factory: pytest.TempPathFactory, family: str) -> Models:
+    root = tmp_path_factory.mktemp(f"{family}-models")
+    target = make_tiny_checkpoint(root / "target", family=family, vocab_size=VOCAB, seed=0)
+    draft = make_tiny_checkpoint(root / "draft", family=family, vocab_size=VOCAB, seed=1, num_hidden_layers=1)
+    perturbed = perturb_checkpoint(target, str(root / "perturbed"), scale=0.1, seed=2)
+    return Models(target, draft, perturbed)
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return _family(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return _family(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def small_vocab(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A target with a 12-token vocabulary and a different draft over the first 10 of those ids."""
+    root = tmp_path_factory.mktemp("small-vocab")
+    target = make_tiny_checkpoint(root / "target", family="llama", vocab_size=SMALL_VOCAB, seed=3,
+                                  num_hidden_layers=1)
+    draft = make_tiny_checkpoint(root / "draft", family="qwen3", vocab_size=SMALL_VOCAB - 2, seed=4,
+                                 num_hidden_layers=1)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A llama target with the character-level tokenizer (ids 3.. are printable ASCII)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "target", family="llama", vocab_size=VOCAB,
+                                seed=5, num_hidden_layers=1, with_tokenizer=True)
+
+
+def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid") -> dict:
+    """A speculative_config dict: a chain of ``k`` tokens, or a tree with ``branching`` (k = its depth)."""
+    cfg: dict = {"method": "draft_model", "model": draft, "tree_sampling": sampling}
+    if branching is not None:
+        cfg["tree_branching"] = list(branching)
+        cfg["num_speculative_tokens"] = len(branching)
+    else:
+        cfg["num_speculative_tokens"] = k
+    return cfg
+
+
+def workers(engine):
+    """(target worker, draft worker or None) of an engine running its workers in this process."""
+    ex = getattr(engine, "executor", None)
+    if ex is not None:
+        return ex.target, ex.draft
+    return engine.target, engine.draft
+
+
+def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, object]:
+    """Step until every request finished; outputs by request id."""
+    outs: dict[str, object] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished:
+            return outs
+        for o in engine.step():
+            outs[o.request_id] = o
+    raise AssertionError(f"engine still has unfinished requests after {max_steps} steps")

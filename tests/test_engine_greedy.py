@@ -1,0 +1,175 @@
+"""Greedy output is the target's greedy output, whatever the speculation, batching, chunking or preemption.
+
+Reference: transformers ``generate`` (greedy, no EOS stop) on the target checkpoint. Every engine run below must
+reproduce it token for token: without speculation, with chains of K = 1, 3, 5, with trees of several shapes,
+with a draft that agrees with the target nowhere (a different random model), everywhere (the target itself)
+and partly (the target with a little noise on its weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.conftest import run_to_completion, spec
+
+MAX_TOKENS = 32
+PROMPTS = [[1], [1, 17, 44, 9, 83], [1] + list(range(20, 32)), [1] + [(7 * i) % 120 + 3 for i in range(29)]]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+SHAPES = {  # name -> (K for a chain, tree branching)
+    "chain1": (1, None),
+    "chain3": (3, None),
+    "chain5": (5, None),
+    "tree221": (None, [2, 2, 1]),
+    "tree3111": (None, [3, 1, 1, 1]),
+    "tree222": (None, [2, 2, 2]),
+}
+
+
+def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # ignore_eos: generate the full n tokens
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            g = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = g[0, len(p):].tolist()
+        assert len(out) == n
+        outs.append(out)
+    return outs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def family(request: pytest.FixtureRequest):
+    models = request.getfixturevalue(request.param)
+    return models, hf_greedy(models.target, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llama_expected(llama) -> list[list[int]]:
+    return hf_greedy(llama.target, PROMPTS, MAX_TOKENS)
+
+
+def _generate(target: str, speculative: dict | None, prompts=PROMPTS, params=GREEDY, **kw):
+    llm = LLM(target, speculative, **kw)
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], llm.engine
+
+
+def test_no_speculation_equals_transformers(family) -> None:
+    models, expected = family
+    got, _ = _generate(models.target, None)
+    assert got == expected
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_speculation_with_a_different_draft(family, shape: str) -> None:
+    models, expected = family
+    k, branching = SHAPES[shape]
+    got, engine = _generate(models.target, spec(models.draft, k, branching))
+    assert got == expected
+    assert engine.stats.num_rounds > 0
+
+
+@pytest.mark.parametrize("shape", ["chain3", "tree221"])
+def test_draft_equal_to_target_accepts_everything(family, shape: str) -> None:
+    models, expected = family
+    k, branching = SHAPES[shape]
+    got, engine = _generate(models.target, spec(models.target, k, branching))
+    assert got == expected
+    depth = k or len(branching)
+    s = engine.stats
+    # Every candidate on the greedy path is the target's argmax. Only rounds cut short by max_tokens are shallower.
+    assert s.num_accepted == s.num_emitted - s.num_rounds
+    assert s.mean_acceptance_length > depth  # > K: most rounds emit K + 1 tokens
+
+
+@pytest.mark.parametrize("shape", ["chain5", "tree222", "tree3111"])
+def test_partially_agreeing_draft(family, shape: str) -> None:
+    """Acceptance strictly between none and all: accepted paths of every length get committed."""
+    models, expected = family
+    k, branching = SHAPES[shape]
+    got, engine = _generate(models.target, spec(models.perturbed, k, branching))
+    assert got == expected
+    depth = k or len(branching)
+    mal = engine.stats.mean_acceptance_length
+    assert 1 < mal < depth + 1, mal
+    assert 0 < engine.stats.num_accepted < engine.stats.num_drafted
+
+
+def test_requests_arriving_while_others_run(llama, llama_expected) -> None:
+    """Continuous batching: requests that join mid-flight get exactly what they get alone."""
+    expected = llama_expected
+    cfg = EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(spec(llama.perturbed, None, [2, 2, 1])),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4),
+                       cache=CacheConfig(block_size=4))
+    engine = LLMEngine(cfg)
+    outs: dict = {}
+    engine.add_request("0", PROMPTS[0], GREEDY)
+    engine.add_request("1", PROMPTS[1], GREEDY)
+    for _ in range(3):
+        outs.update({o.request_id: o for o in engine.step()})
+    engine.add_request("2", PROMPTS[2], GREEDY)
+    for _ in range(4):
+        outs.update({o.request_id: o for o in engine.step()})
+    engine.add_request("3", PROMPTS[3], GREEDY)
+    # A request with fewer tokens finishes first and leaves while the others continue.
+    engine.add_request("short", PROMPTS[3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    outs.update(run_to_completion(engine))
+    assert not outs.keys() - {"0", "1", "2", "3", "short"}
+    for i, exp in enumerate(expected):
+        assert outs[str(i)].token_ids == exp, i
+        assert outs[str(i)].finish_reason == "length"
+    assert outs["short"].token_ids == expected[3][:5]
+    assert engine.scheduler.target_blocks.num_free == engine.scheduler.target_blocks.num_blocks
+    assert engine.scheduler.draft_blocks.num_free == engine.scheduler.draft_blocks.num_blocks
+
+
+@pytest.mark.parametrize("speculative", [None, "chain", "tree"])
+def test_chunked_prefill(llama, llama_expected, speculative) -> None:
+    """A token budget far below the prompt lengths: prompts are prefilled over several steps, in pieces."""
+    expected = llama_expected
+    cfg = {None: None, "chain": spec(llama.perturbed, 3), "tree": spec(llama.perturbed, None, [2, 1])}[speculative]
+    llm = LLM(llama.target, cfg, max_num_batched_tokens=7, block_size=4)
+    chunks: list[tuple[int, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        chunks.extend((c.start, c.end) for c in batch.prefills)
+        assert sum(c.end - c.start for c in batch.prefills) <= 7
+        return batch
+
+    llm.engine.scheduler.schedule = recording_schedule
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert any(start > 0 for start, _ in chunks)  # some prompt was continued from a partial prefill
+
+
+@pytest.mark.parametrize("speculative", [None, "tree"])
+def test_preemption_and_recompute(llama, llama_expected, speculative, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KV pool that cannot hold every request at once: the newest are preempted and recomputed."""
+    expected = llama_expected
+    preempted: list[int] = []
+    real = Scheduler._preempt
+
+    def counting_preempt(self, req):
+        preempted.append(req.seq_id)
+        real(self, req)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    cfg = {None: None, "tree": spec(llama.perturbed, None, [2, 2, 1])}[speculative]
+    llm = LLM(llama.target, cfg, block_size=4, num_kv_tokens=96)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert len(preempted) >= 2
+    s = llm.engine.scheduler
+    assert s.target_blocks.num_free == s.target_blocks.num_blocks
