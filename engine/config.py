@@ -40,7 +40,10 @@ class SpeculativeConfig:
       "without_replacement" (recursive rejection sampling) or "deterministic" (the draft's top tokens; lossless,
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
-    - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1).
+    - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
+    - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipeline.py);
+      ``pipeline_bonus_guesses`` (bonus tokens guessed at the leaf) and ``pipeline_reject_guesses`` (also
+      predict a rejection at each depth) say how many outcomes are pre-drafted per request.
     """
 
     model: str
@@ -50,6 +53,9 @@ class SpeculativeConfig:
     tree_sampling: str = "iid"
     max_tree_nodes: int = 64
     draft_tensor_parallel_size: int = 1  # independent of the target's
+    pipeline: bool = False
+    pipeline_bonus_guesses: int = 2
+    pipeline_reject_guesses: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -66,10 +72,25 @@ class SpeculativeConfig:
         if self.tree_sampling not in TREE_SAMPLING_MODES:
             raise ValueError(f"speculative_config.tree_sampling must be one of {list(TREE_SAMPLING_MODES)}, "
                              f"got {self.tree_sampling!r}")
+        g = self.pipeline_bonus_guesses
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= 8:
+            raise ValueError(f"speculative_config.pipeline_bonus_guesses must be an integer in [0, 8], got {g!r}")
+        for name in ("pipeline", "pipeline_reject_guesses"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative_config.{name} must be true or false, got {getattr(self, name)!r}")
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    @property
+    def draft_scratch_nodes(self) -> int:
+        """Draft scratch slots one call may write past the committed tokens (predictions + their trees)."""
+        shape = self.tree_shape
+        if not self.pipeline:
+            return shape.num_nodes
+        anchors = self.pipeline_bonus_guesses + (shape.depth if self.pipeline_reject_guesses else 0)
+        return shape.depth + anchors + anchors * shape.num_nodes
 
     @property
     def tree_shape(self) -> TreeShape:

@@ -17,13 +17,14 @@ from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.metrics import SpecDecodingStats
+from engine.pipeline import Pipeliner, sampling_spec
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
 from workers.loader import load_tokenizer
-from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, SamplingSpec, TargetStep, VerifySeq
+from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, TargetStep, VerifySeq
 from workers.model_config import ModelConfig
 from workers.verification import CandidateTree
 from workers.worker_config import WorkerConfig
@@ -71,8 +72,11 @@ class LLMEngine:
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
-                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes)
+                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
+                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0)
         self.stats = SpecDecodingStats()
+        self.pipeline = (Pipeliner(self, spec.pipeline_bonus_guesses, spec.pipeline_reject_guesses)
+                         if spec is not None and spec.pipeline else None)
         self._seq_ids = itertools.count()
         self._stop: dict[int, StopChecker] = {}
         self._draft_commits: dict[int, CommitSpec] = {}
@@ -116,14 +120,26 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         for req in batch.preempted:
-            self._draft_commits.pop(req.seq_id, None)
+            self._forget_draft_state(req.seq_id)
         finished_ids = self._take_finished()
-        trees = self._draft(batch, finished_ids)
+        pipe = self.pipeline
+        trees = pipe.trees_for(batch, finished_ids) if pipe else self._draft(batch, finished_ids)
         self.executor.submit_target(self._target_step(batch, trees, finished_ids))
+        if pipe:
+            pipe.predraft(batch, trees)  # the draft works on round r+1 while the target verifies round r
         out = self.executor.wait_target()
+        if pipe:
+            pipe.target_done(out.elapsed_s)
         finished = self._commit_prefills(batch, out.first_tokens)
         finished += self._commit_rounds(batch, trees, out.results)
+        if pipe:
+            pipe.collect(batch)
         return [self._output(r) for r in finished]
+
+    def _forget_draft_state(self, seq_id: int) -> None:
+        self._draft_commits.pop(seq_id, None)
+        if self.pipeline is not None:
+            self.pipeline.forget(seq_id)
 
     def _depth(self, req: Request) -> int:
         """Tree depth this round: no deeper than the tokens the request may still emit, or its context."""
@@ -143,7 +159,7 @@ class LLMEngine:
         drafted = [r for r in batch.rounds if self._depth(r) > 0]
         for r in drafted:
             msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
-                                     r.all_token_ids[r.num_cached_draft:], _spec(r),
+                                     r.all_token_ids[r.num_cached_draft:], sampling_spec(r),
                                      list(self.tree.branching[: self._depth(r)])))
         self.executor.submit_draft(msg)
         out = self.executor.wait_draft()
@@ -156,11 +172,11 @@ class LLMEngine:
         for c in batch.prefills:
             fresh = c.completes_prefill and not c.req.output_token_ids
             msg.prefills.append(PrefillSeq(c.req.seq_id, tables[c.req.seq_id], c.start,
-                                           c.req.all_token_ids[c.start:c.end], _spec(c.req) if fresh else None))
+                                           c.req.all_token_ids[c.start:c.end], sampling_spec(c.req) if fresh else None))
         for r, t in zip(batch.rounds, trees, strict=True):
             msg.seqs.append(VerifySeq(r.seq_id, tables[r.seq_id], r.num_cached_target,
                                       r.all_token_ids[r.num_cached_target:], t.tokens.tolist(), t.parents.tolist(),
-                                      _spec(r), None if r.params.greedy else t.draft_probs))
+                                      sampling_spec(r), None if r.params.greedy else t.draft_probs))
         return msg
 
     def _commit_prefills(self, batch: ScheduledBatch, first_tokens: dict[int, int]) -> list[Request]:
@@ -180,7 +196,7 @@ class LLMEngine:
             accepted = res.accepted_nodes
             # Committed now: the in-flight tokens and the accepted path (emitted below, so not yet in num_tokens).
             req.num_cached_target = req.num_tokens + len(accepted)
-            if self.has_draft and len(tree.tokens):
+            if self.has_draft and len(tree.tokens) and self.pipeline is None:
                 depth = self._depth(req)
                 u = req.num_tokens - req.num_cached_draft
                 # The deepest level was never forwarded through the draft: it has no draft KV to keep.
@@ -213,7 +229,7 @@ class LLMEngine:
         if reason is None:
             return False
         self.scheduler.finish(req, reason)
-        self._draft_commits.pop(req.seq_id, None)
+        self._forget_draft_state(req.seq_id)
         self._finished_ids.append(req.seq_id)
         return True
 
@@ -233,6 +249,3 @@ class LLMEngine:
                              req.finish_reason.value if req.finish_reason else None, req.finished, req.stats.as_dict())
 
 
-def _spec(req: Request) -> SamplingSpec:
-    p = req.params
-    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed)

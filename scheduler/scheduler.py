@@ -54,11 +54,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, target_blocks: BlockManager, draft_blocks: BlockManager | None,
-                 num_tree_nodes: int) -> None:
+                 num_tree_nodes: int, draft_scratch_nodes: int | None = None) -> None:
         self.config = config
         self.target_blocks = target_blocks
         self.draft_blocks = draft_blocks
-        self.num_tree_nodes = num_tree_nodes  # scratch nodes per request per round (0: no speculation)
+        self.num_tree_nodes = num_tree_nodes  # target scratch nodes per request per round (0: no speculation)
+        # The draft may write more scratch than the target verifies (pipelining pre-drafts several trees).
+        self.draft_scratch_nodes = num_tree_nodes if draft_scratch_nodes is None else draft_scratch_nodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -68,10 +70,10 @@ class Scheduler:
         return min(p.num_blocks * p.block_size for p in pools)
 
     def add(self, req: Request) -> None:
-        need = len(req.prompt_token_ids) + req.params.max_tokens + self.num_tree_nodes
+        need = len(req.prompt_token_ids) + req.params.max_tokens + max(self.num_tree_nodes, self.draft_scratch_nodes)
         if need > self.capacity_slots:
             raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
-                             f"({req.params.max_tokens}) + tree nodes ({self.num_tree_nodes}) = {need} exceeds the "
+                             f"({req.params.max_tokens}) + scratch nodes = {need} exceeds the "
                              f"KV cache capacity of {self.capacity_slots} tokens")
         self.waiting.append(req)
 
@@ -83,16 +85,16 @@ class Scheduler:
         """Slots a speculative round writes: every token so far (committed + in flight) plus the tree."""
         return req.num_tokens + self.num_tree_nodes
 
-    def _fits(self, req: Request, slots: int) -> bool:
+    def _fits(self, req: Request, slots: int, draft_slots: int | None = None) -> bool:
         ok = self.target_blocks.can_reserve(req.seq_id, slots)
         if self.draft_blocks is not None:
-            ok = ok and self.draft_blocks.can_reserve(req.seq_id, slots)
+            ok = ok and self.draft_blocks.can_reserve(req.seq_id, slots if draft_slots is None else draft_slots)
         return ok
 
-    def _reserve(self, req: Request, slots: int) -> None:
+    def _reserve(self, req: Request, slots: int, draft_slots: int | None = None) -> None:
         self.target_blocks.reserve(req.seq_id, slots)
         if self.draft_blocks is not None:
-            self.draft_blocks.reserve(req.seq_id, slots)
+            self.draft_blocks.reserve(req.seq_id, slots if draft_slots is None else draft_slots)
 
     def _release(self, req: Request) -> None:
         self.target_blocks.free(req.seq_id)
@@ -115,14 +117,15 @@ class Scheduler:
             if req not in self.running:  # preempted below to make room for an older request
                 continue
             slots = self._round_slots(req)
-            while not self._fits(req, slots):
+            draft_slots = req.num_tokens + self.draft_scratch_nodes
+            while not self._fits(req, slots, draft_slots):
                 victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                self._reserve(req, slots)
+                self._reserve(req, slots, draft_slots)
                 out.rounds.append(req)
                 budget -= req.num_tokens - req.num_cached_target + self.num_tree_nodes
         candidates = [r for r in self.running if r.is_prefilling]
