@@ -129,7 +129,9 @@ class Scheduler:
                 out.rounds.append(req)
                 budget -= req.num_tokens - req.num_cached_target + self.num_tree_nodes
         candidates = [r for r in self.running if r.is_prefilling]
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        # No admissions in a step that had to preempt: the pool is short, and a victim re-admitted at once would
+        # be recomputed now only to be preempted again by the next round (thrashing).
+        while self.waiting and not out.preempted and len(self.running) < self.config.max_num_seqs:
             # Admit in arrival order only while the head fits; skipping it would starve long prompts.
             head = self.waiting[0]
             if not self._fits(head, min(head.prefill_end, max(budget, 1))):
