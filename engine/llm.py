@@ -65,8 +65,15 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
-        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
-            self.engine.add_request(str(i), p, sp)
+        queued = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                queued.append(self.engine.add_request(str(i), p, sp))
+        except Exception:
+            # All or nothing: requests left queued would run with the next call and collide with its ids.
+            for req in queued:
+                self.engine.withdraw_queued(req)
+            raise
         return self.run(len(prompts), use_tqdm)
 
     def run(self, total: int, use_tqdm: bool = False) -> list[RequestOutput]:

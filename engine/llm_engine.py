@@ -103,10 +103,16 @@ class LLMEngine:
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.scheduler.add(req)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        self._stop[req.seq_id] = StopChecker(stop_ids, params.stop, self.tokenizer)
+        checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
+        self.scheduler.add(req)
+        self._stop[req.seq_id] = checker
         return req
+
+    def withdraw_queued(self, req: Request) -> None:
+        """Take back a request that ``add_request`` queued and no step has scheduled yet."""
+        self.scheduler.waiting.remove(req)
+        self._stop.pop(req.seq_id, None)
 
     @property
     def has_unfinished(self) -> bool:
