@@ -90,7 +90,8 @@ class SpeculativeConfig:
         if not self.pipeline:
             return shape.num_nodes
         anchors = self.pipeline_bonus_guesses + (shape.depth if self.pipeline_reject_guesses else 0)
-        return shape.depth + anchors + anchors * shape.num_nodes
+        # A miss is re-drafted like an ordinary round, so never less than the ordinary tree.
+        return max(shape.num_nodes, shape.depth + anchors + anchors * shape.num_nodes)
 
     @property
     def tree_shape(self) -> TreeShape:

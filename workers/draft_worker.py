@@ -18,6 +18,7 @@ same prefix, so pipelining changes no output, and no draw is ever shared with th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -89,7 +90,8 @@ class DraftWorker(WorkerBase):
         reqs = [self._layout(s) for s in msg.seqs]
 
         # Forward 1: prefills, every in-flight chain and prediction nodes; logits where trees or guesses start.
-        pieces = [prefill_forward(p, want_logits=False) for p in msg.prefills]
+        pieces = [prefill_forward(dataclasses.replace(p, token_ids=self._own_ids(p.token_ids)), want_logits=False)
+                  for p in msg.prefills]
         wanted: list[list[int]] = []
         for r in reqs:
             points = sorted({r.pred_scratch(a) for a in r.anchors} | {r.pred_scratch(g.at) for g in r.seq.guesses})
@@ -129,8 +131,14 @@ class DraftWorker(WorkerBase):
     def _layout(self, s: DraftSeq) -> _Request:
         u = len(s.token_ids)
         parents = list(range(-1, u - 1)) + [u - 1 if p < 0 else u + p for p in s.pred_parents]
-        return _Request(s, parents, list(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
+        return _Request(s, parents, self._own_ids(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
                         list(s.pred_parents), list(s.anchors))
+
+    def _own_ids(self, tokens: list[int]) -> list[int]:
+        """Target tokens the draft's vocabulary lacks (a draft vocabulary may be a prefix of the target's) are
+        fed as id 0: the draft's guesses get worse there, verification keeps the output exact."""
+        v = self.model_config.vocab_size
+        return [t if t < v else 0 for t in tokens]
 
     def _add_guesses(self, r: _Request, rows: dict[int, torch.Tensor]) -> SeqForward:
         first = len(r.parents)
@@ -160,7 +168,7 @@ class DraftWorker(WorkerBase):
         """Grow every anchor's tree depth by depth; one forward per depth over all requests."""
         # rows[i]: logits for each frontier node of each tree of request i, in (tree, frontier) order.
         rows = [[at[i][t.root] for t in r.trees] for i, r in enumerate(reqs)]
-        live = list(range(len(reqs)))
+        live = [i for i, r in enumerate(reqs) if r.trees]
         for d in range(max((len(r.seq.branching) for r in reqs), default=0)):
             live = [i for i in live if d < len(reqs[i].seq.branching)]
             if not live:
@@ -193,8 +201,10 @@ class DraftWorker(WorkerBase):
         flat = [x for rr in rows for x in rr]
         counts = [len(rr) for rr in rows]
         logits = torch.stack(flat)  # [rows, Vd]
-        probs = logits_to_probs(pad_draft_probs(logits, self.vocab_size),
-                                sampling_batch([r.seq.sampling for r in reqs], counts, logits.device))  # [rows, V]
+        # Transforms on the draft's own vocabulary, then zeros for target ids it lacks: q must be the law the
+        # children are actually drawn from.
+        probs = pad_draft_probs(logits_to_probs(logits, sampling_batch([r.seq.sampling for r in reqs], counts,
+                                                                       logits.device)), self.vocab_size)  # [rows, V]
         row = 0
         for r in reqs:
             width = r.seq.branching[d]

@@ -1,0 +1,157 @@
+"""Pipelined speculation (engine/pipeline.py) leaves every output unchanged: greedy, seeded, and in law."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import LLM, SamplingParams
+from engine.pipeline import match_prediction, most_probable_path, prune_tree
+from tests.conftest import spec
+from workers.messages import DraftResult
+from workers.verification import CandidateTree
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45)), [3]]
+
+
+def _run(target: str, cfg: dict | None, params: SamplingParams, prompts=PROMPTS):
+    llm = LLM(target, speculative_config=cfg)
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], llm.engine
+
+
+@pytest.mark.parametrize("shape", [{"k": 4}, {"branching": [2, 2, 1]}, {"branching": [3, 1, 1, 1]}])
+def test_greedy_identical_with_pipelining_on_and_off(llama, shape):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    base, _ = _run(llama.target, None, params)
+    off, _ = _run(llama.target, spec(llama.perturbed, **shape), params)
+    on, eng = _run(llama.target, {**spec(llama.perturbed, **shape), "pipeline": True}, params)
+    assert base == off == on
+    stats = eng.pipeline.stats
+    # The perturbed draft agrees partly: some predictions come true and some do not, so both paths ran.
+    assert 0 < stats.hits < stats.predrafted
+
+
+def test_forced_hits_draft_equals_target(llama):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    base, _ = _run(llama.target, None, params)
+    on, eng = _run(llama.target, {**spec(llama.target, k=3), "pipeline": True}, params)
+    assert on == base
+    assert eng.pipeline.stats.predrafted > 0
+    assert eng.pipeline.stats.hits == eng.pipeline.stats.predrafted  # every round used a pre-drafted tree
+
+
+def test_forced_misses_no_predictions(llama):
+    """With no guesses there is no pre-drafted tree to use: every round is re-drafted from the real prefix."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    base, _ = _run(llama.target, None, params)
+    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_bonus_guesses": 0,
+           "pipeline_reject_guesses": False}
+    on, eng = _run(llama.target, cfg, params)
+    assert on == base
+    assert eng.pipeline.stats.predrafted > 0 and eng.pipeline.stats.hits == 0
+
+
+@pytest.mark.parametrize("sampling", ["iid", "without_replacement"])
+def test_seeded_sampling_identical_with_pipelining(llama, sampling):
+    """The draft's streams are keyed by prefix length, so a pre-drafted tree is the tree a re-draft gives."""
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=11, ignore_eos=True)
+    cfg = spec(llama.perturbed, branching=[2, 1, 1], sampling=sampling)
+    off, _ = _run(llama.target, cfg, params)
+    on, eng = _run(llama.target, {**cfg, "pipeline": True}, params)
+    assert off == on
+    assert eng.pipeline.stats.hits > 0
+
+
+def _exact_law(target: str, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(t2, t3) of the target's own sampling after ``prompt``, by enumeration over (t1, t2, t3)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+
+    def probs(seqs: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor(seqs)).logits[:, -1].float()  # [B, V]
+        return torch.softmax(logits / temperature, dim=-1)
+
+    p1 = probs([prompt])[0]  # [V]
+    p2 = probs([prompt + [a] for a in range(vocab)])  # [V(t1), V(t2)]
+    pairs = [prompt + [a, b] for a, b in itertools.product(range(vocab), repeat=2)]
+    p3 = probs(pairs).view(vocab, vocab, vocab)  # [t1, t2, t3]
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # [t1, t2, t3]
+    return joint.sum(0)  # [t2, t3]
+
+
+def test_distribution_with_pipelining(small_vocab):
+    """Chi-square of the engine's (t2, t3) law, pipelining on with a tree, against the exact law."""
+    target, draft = small_vocab
+    prompt, temperature, n = [1, 5, 7], 1.0, 1500
+    exact = _exact_law(target, prompt, temperature).flatten()  # [V * V]
+    cfg = {**spec(draft, branching=[2, 1]), "pipeline": True}
+    llm = LLM(target, speculative_config=cfg, max_num_seqs=512)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    vocab = int(exact.numel() ** 0.5)
+    counts = torch.zeros(vocab * vocab)
+    for o in outs:
+        counts[o.token_ids[1] * vocab + o.token_ids[2]] += 1
+    assert llm.engine.pipeline.stats.hits > 0  # some (t2, t3) came from pre-drafted trees
+    # Pool the rare cells so every expected count is >= 5 (chi-square's usual validity condition).
+    expected = exact * n
+    order = torch.argsort(expected, descending=True)
+    keep = order[expected[order] >= 5]
+    rest = order[expected[order] < 5]
+    obs = torch.cat([counts[keep], counts[rest].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[rest].sum().view(1)])
+    p_value = chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+    assert p_value > 1e-3, f"pipelined samples do not follow the target's law (p = {p_value:.2e})"
+    # Negative control: the same samples against the draft-free law at another temperature must fail.
+    wrong = _exact_law(target, prompt, 0.6).flatten() * n
+    wexp = torch.cat([wrong[keep], wrong[rest].sum().view(1)])
+    assert chisquare(obs.numpy(), wexp.numpy() * obs.sum().item() / wexp.sum().item()).pvalue < 1e-6
+
+
+# ------------------------------------------------------------------------------------------ pure helpers
+def _tree(tokens, parents, probs=None) -> CandidateTree:
+    n = len(tokens)
+    return CandidateTree(torch.tensor(tokens), torch.tensor(parents),
+                         torch.empty(n, 0) if probs is None else probs)
+
+
+def test_most_probable_path_greedy_and_sampled():
+    t = _tree([5, 6, 7, 8], [-1, -1, 0, 1])
+    assert most_probable_path(t) == [0, 2]  # greedy trees: the first child is the draft's top token
+    probs = torch.zeros(4, 10)
+    probs[0, 5], probs[1, 6], probs[2, 7], probs[3, 8] = 0.2, 0.5, 0.9, 0.9
+    assert most_probable_path(_tree([5, 6, 7, 8], [-1, -1, 0, 1], probs)) == [1, 3]
+
+
+def test_match_prediction_hit_partial_and_miss():
+    tree_a, tree_b = _tree([1], [-1]), _tree([2], [-1])
+    # in-flight chain [9]; predicted path 4, 5; guesses: 6 under node 1 (bonus), 7 under -1 (rejection)
+    res = DraftResult(0, pred_tokens=[4, 5, 6, 7], pred_parents=[-1, 0, 1, -1], anchors=[2, 3],
+                      trees=[tree_a, tree_b])
+    kept, tree = match_prediction([9], res, [9, 4, 5, 6])
+    assert kept == [0, 1, 2, 3] and tree is tree_a
+    kept, tree = match_prediction([9], res, [9, 7])
+    assert kept == [0, 4] and tree is tree_b
+    kept, tree = match_prediction([9], res, [9, 4, 8])  # recovered token nobody predicted
+    assert kept == [0, 1] and tree is None
+    kept, tree = match_prediction([9], res, [9, 4])  # ends on a prediction node that is not an anchor
+    assert kept == [0, 1] and tree is None
+    kept, tree = match_prediction([9, 3], res, [9, 2])
+    assert kept == [0] and tree is None
+
+
+def test_prune_tree_keeps_shallow_nodes():
+    probs = torch.rand(5, 8)
+    t = _tree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2], probs)
+    p = prune_tree(t, 2)
+    assert p.tokens.tolist() == [1, 2, 3, 4] and p.parents.tolist() == [-1, -1, 0, 1]
+    assert torch.equal(p.draft_probs, probs[:4])
+    assert prune_tree(t, 3) is t
