@@ -36,7 +36,7 @@ def _default(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
-        raw = t.view(torch.uint8).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes()
+        raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([dtype, list(t.shape), raw]))
     cls = type(obj)
     names = _FIELDS.get(cls)
@@ -51,7 +51,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == _EXT_TENSOR:
         dtype, shape, raw = msgpack.unpackb(data)
         if dtype == "bfloat16":
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch.bfloat16).reshape(shape)
+            # numpy has no bfloat16: carry the bits as int16 (torch.frombuffer refuses an empty buffer).
+            return torch.from_numpy(np.frombuffer(raw, dtype=np.int16).copy()).view(torch.bfloat16).reshape(shape)
         return torch.from_numpy(np.frombuffer(raw, dtype=np.dtype(dtype)).copy()).reshape(shape)
     if code == _EXT_DATACLASS:
         name, values = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
