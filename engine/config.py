@@ -42,8 +42,8 @@ class SpeculativeConfig:
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipeline.py);
-      ``pipeline_bonus_guesses`` (bonus tokens guessed at the leaf) and ``pipeline_reject_guesses`` (also
-      predict a rejection at each depth) say how many outcomes are pre-drafted per request.
+      ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
+      ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
     """
 
     model: str
@@ -54,8 +54,7 @@ class SpeculativeConfig:
     max_tree_nodes: int = 64
     draft_tensor_parallel_size: int = 1  # independent of the target's
     pipeline: bool = False
-    pipeline_bonus_guesses: int = 2
-    pipeline_reject_guesses: bool = True
+    pipeline_width: int = 2
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -72,12 +71,11 @@ class SpeculativeConfig:
         if self.tree_sampling not in TREE_SAMPLING_MODES:
             raise ValueError(f"speculative_config.tree_sampling must be one of {list(TREE_SAMPLING_MODES)}, "
                              f"got {self.tree_sampling!r}")
-        g = self.pipeline_bonus_guesses
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= 8:
-            raise ValueError(f"speculative_config.pipeline_bonus_guesses must be an integer in [0, 8], got {g!r}")
-        for name in ("pipeline", "pipeline_reject_guesses"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"speculative_config.{name} must be true or false, got {getattr(self, name)!r}")
+        w = self.pipeline_width
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= 8:
+            raise ValueError(f"speculative_config.pipeline_width must be an integer in [0, 8], got {w!r}")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"speculative_config.pipeline must be true or false, got {self.pipeline!r}")
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
@@ -89,7 +87,7 @@ class SpeculativeConfig:
         shape = self.tree_shape
         if not self.pipeline:
             return shape.num_nodes
-        anchors = self.pipeline_bonus_guesses + (shape.depth if self.pipeline_reject_guesses else 0)
+        anchors = self.pipeline_width
         # A miss is re-drafted like an ordinary round, so never less than the ordinary tree.
         return max(shape.num_nodes, shape.depth + anchors + anchors * shape.num_nodes)
 

@@ -75,7 +75,7 @@ class LLMEngine:
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0)
         self.stats = SpecDecodingStats()
-        self.pipeline = (Pipeliner(self, spec.pipeline_bonus_guesses, spec.pipeline_reject_guesses)
+        self.pipeline = (Pipeliner(self, spec.pipeline_width)
                          if spec is not None and spec.pipeline else None)
         self._seq_ids = itertools.count()
         self._stop: dict[int, StopChecker] = {}

@@ -1,12 +1,15 @@
 """Pipelined speculation: the draft drafts round r+1 while the target verifies round r.
 
 While round r's tree is verified, the draft predicts the round's outcome and pre-drafts round r+1's tree for
-each predicted outcome in one call (a small speculation cache keyed by the predicted prefix):
+the ``width`` likeliest predicted outcomes in one call (a small speculation cache keyed by the predicted prefix).
+Outcomes follow the draft's most probable path through the tree:
 
-- full acceptance along the draft's most probable path through the tree, then each of the draft's top
-  ``bonus_guesses`` tokens at the leaf as the bonus token;
-- rejection at depth j of that path, with the draft's best token not among the children tried there as the
-  recovered token (``reject_guesses``).
+- rejection at depth j of that path, the draft's best token not among the children tried there standing in
+  for the recovered token;
+- full acceptance, then the draft's top tokens at the leaf as the bonus token.
+
+Their likelihood comes from the acceptance rates measured so far (P(exactly j accepted) per depth), so a draft
+that is rarely accepted pre-drafts for early rejections and a good draft for full acceptance.
 
 When the real outcome arrives, a request whose real prefix equals a predicted one goes straight to the next
 verification with that pre-drafted tree; the others are re-drafted from the real prefix before the next
@@ -69,8 +72,7 @@ class _PreDraft:
 @dataclass
 class Pipeliner:
     engine: LLMEngine
-    bonus_guesses: int = 2
-    reject_guesses: bool = True
+    width: int = 2  # predicted outcomes pre-drafted per request
     stats: PipelineStats = field(default_factory=PipelineStats)
     _ready: dict[int, CandidateTree] = field(default_factory=dict)  # seq_id -> next round's tree (a hit)
     _commits: dict[int, CommitSpec] = field(default_factory=dict)  # draft KV to keep, sent with the next call
@@ -145,12 +147,26 @@ class Pipeliner:
         for d, node in enumerate(path):
             seq.pred_tokens.append(toks[node])
             seq.pred_parents.append(d - 1)
-        if self.reject_guesses:
-            for d in range(len(path)):
+        # at[d] = P(at least d tokens accepted); the bonus guesses split full acceptance 3:1 between the two.
+        at = [1.0] + self._acceptance(len(path))
+        outcomes = [(at[d] - at[d + 1], d, 0) for d in range(len(path))]  # rejected at depth d
+        outcomes += [(at[-1] * 0.75, len(path), 0), (at[-1] * 0.25, len(path), 1)]  # full, 1st/2nd bonus guess
+        chosen = sorted(outcomes, key=lambda o: -o[0])[: self.width]
+        for d in sorted({d for _, d, _ in chosen}):
+            count = sum(1 for _, dd, _ in chosen if dd == d)
+            if d == len(path):
+                seq.guesses.append(GuessSpec(at=d - 1, count=count))
+            else:
                 tried = children[path[d - 1] + 1] if d > 0 else children[0]
-                seq.guesses.append(GuessSpec(at=d - 1, count=1, exclude=[toks[c] for c in tried]))
-        if self.bonus_guesses and path:
-            seq.guesses.append(GuessSpec(at=len(path) - 1, count=self.bonus_guesses))
+                seq.guesses.append(GuessSpec(at=d - 1, count=count, exclude=[toks[c] for c in tried]))
+
+    def _acceptance(self, depth: int) -> list[float]:
+        """P(at least d accepted) for d = 1..depth: measured, or a prior of 0.7 per token before any round."""
+        stats = self.engine.stats
+        if stats.num_rounds < 8:
+            return [0.7 ** d for d in range(1, depth + 1)]
+        rates = stats.acceptance_per_position
+        return [rates[d - 1] if d - 1 < len(rates) else 0.0 for d in range(1, depth + 1)]
 
     # ---------------------------------------------------------------------------------------- after verify
     def target_done(self, elapsed_s: float) -> None:

@@ -48,8 +48,7 @@ def test_forced_misses_no_predictions(llama):
     """With no guesses there is no pre-drafted tree to use: every round is re-drafted from the real prefix."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     base, _ = _run(llama.target, None, params)
-    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_bonus_guesses": 0,
-           "pipeline_reject_guesses": False}
+    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_width": 0}
     on, eng = _run(llama.target, cfg, params)
     assert on == base
     assert eng.pipeline.stats.predrafted > 0 and eng.pipeline.stats.hits == 0
