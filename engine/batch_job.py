@@ -109,4 +109,6 @@ def run_batch(engine: LLMEngine, lines: list[str], out: IO[str], defaults: dict[
         "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(generated / elapsed, 2) if elapsed > 0 else None,
         "speculation": engine.stats.as_dict(),
+        "time_breakdown": engine.times.as_dict(),
+        **({"pipeline": engine.pipeline.stats.as_dict()} if engine.pipeline is not None else {}),
     }

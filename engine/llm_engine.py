@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.executor import make_executor
-from engine.metrics import SpecDecodingStats
+from engine.metrics import SpecDecodingStats, StepTimes
 from engine.pipeline import Pipeliner, sampling_spec
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
@@ -75,6 +75,7 @@ class LLMEngine:
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0)
         self.stats = SpecDecodingStats()
+        self.times = StepTimes()
         self.pipeline = (Pipeliner(self, spec.pipeline_width)
                          if spec is not None and spec.pipeline else None)
         self._seq_ids = itertools.count()
@@ -124,22 +125,31 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
+        times = self.times
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self._forget_draft_state(req.seq_id)
         finished_ids = self._take_finished()
         pipe = self.pipeline
+        t1 = time.perf_counter()
         trees = pipe.trees_for(batch, finished_ids) if pipe else self._draft(batch, finished_ids)
+        t2 = time.perf_counter()
         self.executor.submit_target(self._target_step(batch, trees, finished_ids))
         if pipe:
             pipe.predraft(batch, trees)  # the draft works on round r+1 while the target verifies round r
         out = self.executor.wait_target()
+        t3 = time.perf_counter()
         if pipe:
             pipe.target_done(out.elapsed_s)
         finished = self._commit_prefills(batch, out.first_tokens)
         finished += self._commit_rounds(batch, trees, out.results)
+        t4 = time.perf_counter()
         if pipe:
             pipe.collect(batch)
+        t5 = time.perf_counter()
+        times.record(schedule_s=t1 - t0, draft_wall_s=t2 - t1, verify_wall_s=t3 - t2, verify_s=out.elapsed_s,
+                     commit_s=t4 - t3, collect_s=t5 - t4)
         return [self._output(r) for r in finished]
 
     def _forget_draft_state(self, seq_id: int) -> None:
@@ -169,6 +179,7 @@ class LLMEngine:
                                      list(self.tree.branching[: self._depth(r)])))
         self.executor.submit_draft(msg)
         out = self.executor.wait_draft()
+        self.times.draft_s += out.elapsed_s
         trees = {res.seq_id: res.trees[0] for res in out.results}
         return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
 

@@ -44,3 +44,38 @@ class SpecDecodingStats:
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
         }
+
+
+@dataclass
+class StepTimes:
+    """Where a step's wall time goes, for the cycle-cost model: time per token = (draft + verify + commit) / tokens.
+
+    *_wall_s are seen by the controller (including messaging); draft_s / verify_s are the workers' own times, so
+    wall minus worker time is messaging and (de)serialisation. A pipelined pre-draft overlaps verification and
+    shows up in collect_s only when the target finished first.
+    """
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    draft_wall_s: float = 0.0  # drafting the controller waited for (every draft with pipelining off)
+    draft_s: float = 0.0  # draft worker time of those calls
+    verify_wall_s: float = 0.0
+    verify_s: float = 0.0  # target worker time
+    commit_s: float = 0.0  # controller: counters, stop checks, block trims
+    collect_s: float = 0.0  # pipelining: waiting for the pre-draft after verification, and matching
+
+    def record(self, **parts: float) -> None:
+        self.steps += 1
+        for k, v in parts.items():
+            setattr(self, k, getattr(self, k) + v)
+
+    @property
+    def messaging_s(self) -> float:
+        return max(0.0, self.draft_wall_s - self.draft_s) + max(0.0, self.verify_wall_s - self.verify_s)
+
+    def as_dict(self) -> dict:
+        keys = ("steps", "schedule_s", "draft_wall_s", "draft_s", "verify_wall_s", "verify_s", "commit_s",
+                "collect_s")
+        out = {k: round(getattr(self, k), 4) for k in keys}
+        out["messaging_s"] = round(self.messaging_s, 4)
+        return out

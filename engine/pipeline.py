@@ -114,6 +114,7 @@ class Pipeliner:
             eng.executor.submit_draft(msg)
             out = eng.executor.wait_draft()
             self.stats.draft_busy_s += out.elapsed_s
+            eng.times.draft_s += out.elapsed_s
             trees.update({res.seq_id: res.trees[0] for res in out.results})
         return [trees.get(r.seq_id) or CandidateTree.empty(eng.vocab_size) for r in batch.rounds]
 
