@@ -64,7 +64,7 @@ class RequestStats:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` must not compare every field of every request
 class Request:
     seq_id: int  # internal, unique per engine
     request_id: str  # the user's id

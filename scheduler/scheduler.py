@@ -114,7 +114,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self.running if not r.is_prefilling]
         for req in list(decoding):
-            if req not in self.running:  # preempted below to make room for an older request
+            if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
                 continue
             slots = self._round_slots(req)
             draft_slots = req.num_tokens + self.draft_scratch_nodes

@@ -15,7 +15,7 @@ import torch
 from workers.input_batch import SeqForward
 from workers.messages import CommitSpec, PrefillSeq, RoundResult, TargetStep, TargetStepOutput, VerifySeq
 from workers.sampling import logits_to_probs, sample
-from workers.verification import CandidateTree, verify_greedy, verify_tree
+from workers.verification import CandidateTree, verify_batch, verify_greedy
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
 
 
@@ -64,9 +64,10 @@ class TargetWorker(WorkerBase):
         return dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
 
     def _verify(self, seqs: list[VerifySeq], logits: torch.Tensor) -> list[RoundResult]:
-        results: list[RoundResult] = []
+        results: list[RoundResult | None] = [None] * len(seqs)
+        sampled: list[tuple[int, CandidateTree, torch.Tensor]] = []  # (index in seqs, tree, logits [N + 1, V])
         row = 0
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
@@ -76,8 +77,18 @@ class TargetWorker(WorkerBase):
                                  draft_probs=q)
             if s.sampling.greedy:
                 res = verify_greedy(tree, rows.argmax(dim=-1))
+                results[i] = RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens))
             else:
-                p = logits_to_probs(rows, sampling_batch([s.sampling], [n + 1], rows.device))  # [N + 1, V]
-                res = verify_tree(tree, p, self.generator(s.seq_id, s.sampling))
-            results.append(RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens)))
-        return results
+                sampled.append((i, tree, rows))
+        if sampled:
+            # One transform over every sampled row (row-local: each row gets the bits it would get alone), then
+            # one verify_batch: same-shaped trees are verified together, each request drawing from its own stream.
+            counts = [t.num_nodes + 1 for _, t, _ in sampled]
+            specs = [seqs[i].sampling for i, _, _ in sampled]
+            probs = logits_to_probs(torch.cat([r for _, _, r in sampled]),
+                                    sampling_batch(specs, counts, logits.device))  # [sum(N_i + 1), V]
+            gens = [self.generator(seqs[i].seq_id, seqs[i].sampling) for i, _, _ in sampled]
+            verified = verify_batch([t for _, t, _ in sampled], list(probs.split(counts)), gens)
+            for (i, _, _), res in zip(sampled, verified, strict=True):
+                results[i] = RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens))
+        return results  # type: ignore[return-value]
