@@ -73,7 +73,8 @@ def assert_same(a: object, b: object, where: str = "msg") -> None:
     """Deep equality that treats tensors as equal only with the same dtype, shape and bits."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), \
+            f"{where}: {a.dtype} {list(a.shape)} != {b.dtype} {list(b.shape)}"
         assert _bits(a) == _bits(b), f"{where}: values differ"
     elif dataclasses.is_dataclass(a):
         for f in dataclasses.fields(a):
