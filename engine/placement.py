@@ -44,15 +44,18 @@ def plan_placement(tensor_parallel_size: int, draft_tensor_parallel_size: int, h
     )
 
 
-def missing_resources(plan: PlacementPlan, available: dict[str, float],
-                      per_node_available: list[dict[str, float]]) -> str | None:
-    """What the cluster lacks for ``plan`` (None if it looks placeable), for the error message."""
+def missing_resources(plan: PlacementPlan, cluster: dict[str, float],
+                      per_node: list[dict[str, float]]) -> str | None:
+    """What a cluster with these resources lacks for ``plan`` (None if it could hold it), for error messages.
+
+    ``cluster`` / ``per_node``: resource totals (what the cluster could ever offer) or what is free now.
+    """
     need = plan.total
-    have = available.get(plan.resource, 0.0)
+    have = cluster.get(plan.resource, 0.0)
     if have < need:
-        return f"the cluster has {have:g} {plan.resource} available, the plan needs {need}"
-    best_node = max((n.get(plan.resource, 0.0) for n in per_node_available), default=0.0)
+        return f"the cluster has {have:g} {plan.resource}, the plan needs {need}"
+    best_node = max((n.get(plan.resource, 0.0) for n in per_node), default=0.0)
     if best_node < len(plan.target_bundles):
-        return (f"no node has {len(plan.target_bundles)} {plan.resource} free for the target's ranks "
+        return (f"no node has {len(plan.target_bundles)} {plan.resource} for the target's ranks "
                 f"(largest: {best_node:g}); tensor-parallel ranks must share a node")
     return None

@@ -38,10 +38,15 @@ class RayExecutor:
             plan = plan_placement(parallel.tensor_parallel_size, parallel.draft_tensor_parallel_size,
                                   draft is not None, ray.cluster_resources().get("GPU", 0.0))
             self.plan = plan
-            # Target first: its STRICT_PACK group is the harder one to place.
-            self._start_role("target", target, plan.target_bundles, plan, "STRICT_PACK")
+            roles = {"target": (target, plan.target_bundles, "STRICT_PACK")}
             if draft is not None:
-                self._start_role("draft", draft, plan.draft_bundles, plan, "PACK")
+                roles["draft"] = (draft, plan.draft_bundles, "PACK")
+            # Every bundle is reserved before any worker starts, so a plan the cluster cannot hold fails
+            # within placement_timeout_s without loading a model first; then both roles start side by side.
+            groups = self._reserve(plan, [(bundles, strategy) for _, bundles, strategy in roles.values()])
+            for (role, (config, _, _)), pg in zip(roles.items(), groups, strict=True):
+                self._create_actors(role, config, pg, plan)
+            self._setup_actors(plan)
             if parallel.transport == "zmq":
                 self._start_zmq()
         except BaseException:
@@ -62,39 +67,51 @@ class RayExecutor:
                      configure_logging=False)
         self._started_ray = True
 
-    def _start_role(self, role: str, config: WorkerConfig, bundles: list[dict[str, float]], plan: PlacementPlan,
-                    strategy: str) -> None:
+    def _reserve(self, plan: PlacementPlan, specs: list[tuple[list[dict[str, float]], str]]) -> list[Any]:
+        """One placement group per role (target first: its STRICT_PACK group is the harder one to place)."""
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
+
+        groups = []
+        for bundles, strategy in specs:
+            pg = placement_group(bundles, strategy=strategy)
+            self._groups.append(pg)
+            groups.append(pg)
+        timeout = self.parallel.placement_timeout_s
+        try:
+            ray.get([pg.ready() for pg in groups], timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._remove_groups()
+            raise RuntimeError(_placement_error(plan, timeout)) from None
+        return groups
+
+    def _create_actors(self, role: str, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        pg = placement_group(bundles, strategy=strategy, name="")
-        self._groups.append(pg)
-        try:
-            ray.get(pg.ready(), timeout=self.parallel.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            self._groups.remove(pg)
-            nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-            why = missing_resources(plan, ray.available_resources(), nodes) or "not enough free resources"
-            raise RuntimeError(
-                f"could not place the {role} workers within {self.parallel.placement_timeout_s:g} s: {why}. "
-                f"Needed: {plan.describe()}. Cluster resources: {ray.cluster_resources()}. Lower "
-                "tensor_parallel_size / draft_tensor_parallel_size, or add nodes.") from None
         remote = ray.remote(WorkerProcess)
-        actors = [
+        size = len(plan.target_bundles if role == "target" else plan.draft_bundles)
+        self._actors[role] = [
             remote.options(num_cpus=0, num_gpus=1 if plan.use_gpu else 0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
                                placement_group=pg, placement_group_bundle_index=rank),
-                           max_concurrency=4).remote(role, config, rank, len(bundles))
-            for rank in range(len(bundles))
+                           max_concurrency=4).remote(role, config, rank, size)
+            for rank in range(size)
         ]
-        self._actors[role] = actors
-        master_addr, master_port = ray.get(actors[0].address.remote())
-        try:
-            ray.get([a.setup.remote(master_addr, master_port, plan.use_gpu) for a in actors])
-        except ray.exceptions.RayError as e:
-            raise RuntimeError(f"starting the {role} workers failed: {e}") from e
+
+    def _setup_actors(self, plan: PlacementPlan) -> None:
+        """Each role's ranks join their own process group (rank 0's address) and load their shards."""
+        import ray
+
+        roles = [role for role, actors in self._actors.items() if actors]
+        addresses = ray.get([self._actors[role][0].address.remote() for role in roles])
+        setups = {role: [a.setup.remote(addr, port, plan.use_gpu) for a in self._actors[role]]
+                  for role, (addr, port) in zip(roles, addresses, strict=True)}
+        for role, refs in setups.items():
+            try:
+                ray.get(refs)
+            except ray.exceptions.RayError as e:
+                raise RuntimeError(f"starting the {role} workers failed: {e}") from e
 
     def _start_zmq(self) -> None:
         import ray
@@ -185,7 +202,6 @@ class RayExecutor:
     # ------------------------------------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for pushes in self._zmq.values():
             for s in pushes:
@@ -205,12 +221,34 @@ class RayExecutor:
                 except Exception:
                     pass
         self._actors = {"target": [], "draft": []}
+        self._remove_groups()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def _remove_groups(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
         for pg in self._groups:
             try:
                 remove_placement_group(pg)
             except Exception:
                 pass
         self._groups = []
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-            self._started_ray = False
+
+
+def _placement_error(plan: PlacementPlan, timeout: float) -> str:
+    """Why the plan could not be placed: what the cluster lacks in total, or else that others hold it."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    res = plan.resource
+    why = missing_resources(plan, total, nodes)
+    if why is None:
+        free = ray.available_resources().get(res, 0.0)
+        why = (f"the cluster has enough {res} in total but only {free:g} free: other jobs or engines hold the "
+               "rest")
+    return (f"could not place the workers within {timeout:g} s: {why}. Needed: {plan.describe()}. Cluster: "
+            f"{total.get('CPU', 0.0):g} CPU, {total.get('GPU', 0.0):g} GPU on {len(nodes)} node(s). Lower "
+            "tensor_parallel_size / draft_tensor_parallel_size, or add nodes.")
