@@ -91,11 +91,14 @@ class RayExecutor:
 
         remote = ray.remote(WorkerProcess)
         size = len(plan.target_bundles if role == "target" else plan.draft_bundles)
+        # The workers inherit the environment of the node's raylet, not ours: forward our settings.
+        env = {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}
+        extra: dict[str, Any] = {"runtime_env": {"env_vars": env}} if env else {}
         self._actors[role] = [
             remote.options(num_cpus=0, num_gpus=1 if plan.use_gpu else 0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(
                                placement_group=pg, placement_group_bundle_index=rank),
-                           max_concurrency=4).remote(role, config, rank, size)
+                           max_concurrency=4, **extra).remote(role, config, rank, size)
             for rank in range(size)
         ]
 
