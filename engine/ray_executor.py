@@ -152,7 +152,10 @@ class RayExecutor:
             return self._await_zmq(role)
         import ray
 
-        decoded = [codec.decode(r) for r in ray.get(refs)]
+        try:
+            decoded = [codec.decode(r) for r in ray.get(refs, timeout=STEP_TIMEOUT_S)]
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"no reply from the {role} workers within {STEP_TIMEOUT_S:g} s") from None
         for r in decoded:
             if r.error is not None:
                 raise RuntimeError(f"worker failed:\n{r.error}")
