@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 import threading
 import traceback
@@ -84,12 +85,15 @@ class WorkerProcess:
         return device
 
     def describe(self) -> dict[str, Any]:
-        """Where this rank landed (placement tests and diagnostics)."""
+        """Where this rank landed (placement tests and diagnostics): the placement bundle it holds as Ray
+        reports it, so a test can check bundle index == rank rather than trust our own bookkeeping."""
         import ray
 
         ctx = ray.get_runtime_context()
         return {"role": self.role, "rank": self.rank, "world_size": self.world_size, "node_id": ctx.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                "actor_id": ctx.get_actor_id(), "placement_group_id": ctx.get_placement_group_id(),
+                "bundle_index": _bundle_index(), "threads": torch.get_num_threads(),
                 "device": None if self.worker is None else str(self.worker.device)}
 
     def execute(self, payload: bytes) -> bytes:
@@ -142,6 +146,25 @@ class WorkerProcess:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _bundle_index() -> int | None:
+    """The placement-group bundle this actor runs in (None if Ray does not say).
+
+    Ray names the resources a bundle grants ``<resource>_group_<index>_<group id>``; the public runtime context
+    hides them, so this reads the core worker's view (a private API: a Ray upgrade may need this revisited).
+    """
+    try:
+        import ray
+
+        names = ray._private.worker.global_worker.core_worker.resource_ids()
+    except Exception:
+        return None
+    found = {int(m.group(1)) for m in map(_BUNDLE_RESOURCE.match, names) if m}
+    return found.pop() if len(found) == 1 else None
+
+
+_BUNDLE_RESOURCE = re.compile(r"^bundle_group_(\d+)_[0-9a-f]+$")
 
 
 def _echo_result(msg: Any) -> Any:
