@@ -67,6 +67,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.benchmarks import compare
+
+    return compare.main(args.rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve", description="lossless speculative decoding engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=None, help="default temperature for lines without one")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.set_defaults(func=cmd_generate)
+    b = sub.add_parser("bench", help="benchmarks: 'compare' runs every decoding mode side by side")
+    b.add_argument("name", choices=["compare"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
+    b.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
