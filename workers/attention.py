@@ -6,13 +6,18 @@ Models never see the cache layout: every attention layer calls ``ctx.attend(laye
 - ``DenseCausalContext``: no cache; one or more independent sequences attend causally to themselves. Used by
   parity tests against transformers and by the training-free reference paths.
 - ``PagedContext``: the new tokens' K/V are written into the paged cache at their slots, then each sequence's
-  queries attend over the keys gathered from its slots under an explicit boolean mask. The mask is what makes
+  queries attend over the keys read from its slots under an explicit boolean mask. The mask is what makes
   tree verification work: a node sees the committed prefix and its own ancestors, never its siblings.
+
+Everything that does not depend on the layer (key layout, query padding, the mask) is worked out once per
+forward in ``workers.input_batch``; per layer the paged path is a write, a read (a view when the sequence's
+slots are contiguous), and one SDPA call. GQA goes through SDPA's ``enable_gqa`` (no K/V expansion copy; the
+same numbers as ``repeat_interleave``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,14 +32,12 @@ class AttentionContext(Protocol):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
           scale: float | None) -> torch.Tensor:
-    """q: [B, Hq, Q, D], k/v: [B, Hkv, L, D], mask: [B, 1, Q, L] bool or None -> [B, Hq, Q, D]."""
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv:
-        # GQA: expand kv heads; repeat_interleave keeps the head grouping transformers uses.
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                          scale=scale)
+    """q: [B, Hq, Q, D], k/v: [B, Hkv, L, D], mask: [B, 1, Q, L] (bool or additive) or None -> [B, Hq, Q, D].
+
+    Query head h reads kv head h // (Hq / Hkv), the grouping transformers uses.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass
@@ -65,20 +68,34 @@ class DenseCausalContext:
 class PagedMetadata:
     """Where one forward's new tokens go and what each of them may see.
 
-    T new tokens from B sequences, padded to Q queries and L keys per sequence.
+    T new tokens from B sequences (those with at least one new token), padded to Q queries and L keys per
+    sequence. Key l of sequence b is position l of its block table: the committed prefix, then its scratch nodes.
     """
 
     slot_mapping: torch.Tensor  # [T] long: flat cache slot each new token's K/V is written to
-    kv_slots: torch.Tensor  # [B, L] long: flat slots of the keys each sequence attends over (padding: 0)
-    mask: torch.Tensor  # [B, 1, Q, L] bool: query q of sequence b may attend key l
-    query_index: torch.Tensor  # [B, Q] long: row of the flattened batch for each padded query (padding: 0)
-    query_valid: torch.Tensor  # [B, Q] bool: False for padding queries
+    num_seqs: int  # B
+    num_queries: int  # Q
+    num_keys: int  # L
+    # Where the keys are read from: a view of slots [kv_start, kv_start + L) when B == 1 and they are contiguous,
+    # otherwise the blocks ``kv_blocks`` [B, nb] (long; padding: block 0, masked) gathered and laid end to end.
+    kv_start: int | None = None
+    kv_blocks: torch.Tensor | None = None
+    # Query padding; both None when every sequence feeds Q new tokens, so the T rows are already B x Q in order.
+    query_index: torch.Tensor | None = None  # [B * Q] long: flattened-batch row of each padded query (padding: 0)
+    out_index: torch.Tensor | None = None  # [T] long: padded query slot (b * Q + i) of each flattened row
+    # What each query sees. None: every key of its sequence (``causal``: key l only from query l on, for a
+    # single fresh chain where keys and queries coincide).
+    mask: torch.Tensor | None = None  # [B, 1, Q, L] bool: query q of sequence b may attend key l
+    causal: bool = False
 
 
 class KVCacheLike(Protocol):
+    k: list[torch.Tensor]  # per layer [slots, Hkv, D]
+    v: list[torch.Tensor]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -86,15 +103,33 @@ class PagedContext:
     meta: PagedMetadata
     cache: KVCacheLike
     scale: float | None = None
+    _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def _additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bool mask as 0 / -inf in q's dtype, made once per forward (SDPA would convert it every layer)."""
+        if self.meta.mask is None:
+            return None
+        if self._mask is None or self._mask.dtype != dtype:
+            self._mask = torch.zeros(self.meta.mask.shape, dtype=dtype).masked_fill_(~self.meta.mask, float("-inf"))
+        return self._mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
-        self.cache.write(layer, m.slot_mapping, k, v)
-        keys, values = self.cache.gather(layer, m.kv_slots)  # [B, L, Hkv, D] each
-        qp = q[m.query_index]  # [B, Q, Hq, D]
-        o = _sdpa(qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), m.mask, False,
+        cache = self.cache
+        cache.write(layer, m.slot_mapping, k, v)
+        b, nq, nk = m.num_seqs, m.num_queries, m.num_keys
+        if b == 0:
+            return q  # no new tokens
+        if m.kv_start is not None:
+            # [1, Hkv, L, D] views of the cache: no copy.
+            keys = cache.k[layer][m.kv_start:m.kv_start + nk].transpose(0, 1).unsqueeze(0)
+            values = cache.v[layer][m.kv_start:m.kv_start + nk].transpose(0, 1).unsqueeze(0)
+        else:
+            keys, values = cache.gather_blocks(layer, m.kv_blocks)  # [B, nb * block_size, Hkv, D] each
+            keys, values = keys[:, :nk].transpose(1, 2), values[:, :nk].transpose(1, 2)  # [B, Hkv, L, D]
+        t, hq, d = q.shape
+        qp = q if m.query_index is None else q.index_select(0, m.query_index)
+        o = _sdpa(qp.view(b, nq, hq, d).transpose(1, 2), keys, values, self._additive_mask(q.dtype), m.causal,
                   self.scale)  # [B, Hq, Q, D]
-        o = o.transpose(1, 2)  # [B, Q, Hq, D]
-        out = q.new_empty(q.shape)
-        out[m.query_index[m.query_valid]] = o[m.query_valid]
-        return out
+        o = o.transpose(1, 2).reshape(b * nq, hq, d)  # [B * Q, Hq, D]
+        return o if m.out_index is None else o.index_select(0, m.out_index)  # [T, Hq, D]

@@ -12,6 +12,11 @@ Scratch node ``j`` of a sequence lives at the slot of position ``base_len + j`` 
 position is ``base_len + depth(j)``, and it attends to the committed prefix plus its own ancestors and itself.
 The scheduler reserves the scratch blocks; ``commit`` later moves the accepted nodes down to
 ``base_len, base_len + 1, ...``.
+
+``build_batch`` runs once per forward for every model call, so it is written for speed: plain-list work is
+O(tokens + blocks) (the ancestor walk only for real trees), and the attention layout takes the cheapest form
+that is exact: no mask for a single query or a fresh prompt, a view instead of a gather for one sequence with
+contiguous blocks, no query padding when every sequence feeds the same number of tokens.
 """
 
 from __future__ import annotations
@@ -60,16 +65,41 @@ def ancestor_masks(parents: list[int]) -> list[list[bool]]:
     return masks
 
 
+def is_chain(parents: list[int]) -> bool:
+    """True when node j's parent is j - 1 for every node (a prompt chunk, a decode step, a chain of candidates)."""
+    n = len(parents)
+    return n == 0 or (parents[0] == -1 and parents[-1] == n - 2 and parents == list(range(-1, n - 1)))
+
+
 @dataclass
 class BuiltBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     meta: PagedMetadata
     logit_rows: torch.Tensor  # [R] long: rows of the flattened batch whose logits are returned, in order
+    # (start, stop) when logit_rows is the contiguous range start..stop-1: a slice, no gather, selects them.
+    logit_range: tuple[int, int] | None = None
 
 
 def _slot(block_table: list[int], pos: int, block_size: int) -> int:
     return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat slots of positions [start, end): one range per block touched."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        blk, off = divmod(pos, block_size)
+        stop = min(end, (blk + 1) * block_size)
+        first = block_table[blk] * block_size + off
+        out.extend(range(first, first + stop - pos))
+        pos = stop
+    return out
+
+
+def _contiguous(blocks: list[int]) -> bool:
+    return blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
 
 
 def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.device = "cpu") -> BuiltBatch:
@@ -77,65 +107,92 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
     positions: list[int] = []
     slot_mapping: list[int] = []
     logit_rows: list[int] = []
-    per_seq_rows: list[list[int]] = []
-    per_seq_slots: list[list[int]] = []
-    per_seq_mask: list[list[list[bool]]] = []
+    # Per sequence with new tokens (the attention batch):
+    n_new: list[int] = []
+    n_keys: list[int] = []
+    tables: list[list[int]] = []  # blocks covering the keys
+    limits: list[list[int]] = []  # per query: keys [0, limit) visible before the tree's own ancestor rule
+    chains: list[bool] = []
+    tree_visible: list[tuple[int, int, int]] = []  # (seq in attention batch, query, key) of tree ancestors
     for s in seqs:
         n_scratch = len(s.parents)
         needed = s.base_len + n_scratch
         if needed > len(s.block_table) * block_size:
             raise ValueError(f"block table covers {len(s.block_table) * block_size} slots, {needed} needed")
-        depths = node_depths(s.parents)
-        anc = ancestor_masks(s.parents)
-        kv_slots = [_slot(s.block_table, pos, block_size) for pos in range(needed)]
-        rows: list[int] = []
-        mask_rows: list[list[bool]] = []
-        for j in range(s.new_start, n_scratch):
-            row = len(input_ids)
-            rows.append(row)
-            input_ids.append(s.token_ids[j - s.new_start])
-            positions.append(s.base_len + depths[j])
-            slot_mapping.append(kv_slots[s.base_len + j])
-            mask_rows.append([True] * s.base_len + anc[j])
-        base_row = rows[0] if rows else 0
+        first = s.base_len + s.new_start  # slot position of this call's first node
+        new = n_scratch - s.new_start
+        base_row = len(input_ids)
         for j in s.logit_nodes:
             if not s.new_start <= j < n_scratch:
                 raise ValueError(f"logit node {j} is not among this call's nodes [{s.new_start}, {n_scratch})")
             logit_rows.append(base_row + j - s.new_start)
-        per_seq_rows.append(rows)
-        per_seq_slots.append(kv_slots)
-        per_seq_mask.append(mask_rows)
+        if new == 0:
+            continue
+        chain = is_chain(s.parents)
+        input_ids += s.token_ids
+        slot_mapping += _slots(s.block_table, first, needed, block_size)
+        if chain:
+            positions += range(first, needed)
+            limits.append(list(range(first + 1, needed + 1)))
+        else:
+            depths = node_depths(s.parents)
+            positions += [s.base_len + depths[j] for j in range(s.new_start, n_scratch)]
+            limits.append([s.base_len] * new)
+            b = len(n_new)
+            for i, j in enumerate(range(s.new_start, n_scratch)):
+                a = j
+                while a >= 0:
+                    tree_visible.append((b, i, s.base_len + a))
+                    a = s.parents[a]
+        chains.append(chain)
+        n_new.append(new)
+        n_keys.append(needed)
+        tables.append(s.block_table[: -(-needed // block_size)])
 
-    b = len(seqs)
-    q = max((len(r) for r in per_seq_rows), default=0)
-    kv_len = max((len(s) for s in per_seq_slots), default=0)
-    kv_slots_t = torch.zeros(b, kv_len, dtype=torch.long)
-    mask_t = torch.zeros(b, 1, q, kv_len, dtype=torch.bool)
-    mask_t[:, :, :, 0] = True  # padding queries attend one key, so softmax never sees an empty row
-    query_index = torch.zeros(b, q, dtype=torch.long)
-    query_valid = torch.zeros(b, q, dtype=torch.bool)
-    for i in range(b):
-        nk = len(per_seq_slots[i])
-        kv_slots_t[i, :nk] = torch.tensor(per_seq_slots[i], dtype=torch.long)
-        nq = len(per_seq_rows[i])
-        if nq:
-            m = torch.tensor(per_seq_mask[i], dtype=torch.bool)  # [nq, nk]
-            mask_t[i, 0, :nq, :nk] = m
-            mask_t[i, 0, :nq, nk:] = False
-            query_index[i, :nq] = torch.tensor(per_seq_rows[i], dtype=torch.long)
-            query_valid[i, :nq] = True
-    meta = PagedMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        kv_slots=kv_slots_t.to(device),
-        mask=mask_t.to(device),
-        query_index=query_index.to(device),
-        query_valid=query_valid.to(device),
-    )
+    b = len(n_new)
+    nq = max(n_new, default=0)
+    nk = max(n_keys, default=0)
+    meta = PagedMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device), num_seqs=b,
+                         num_queries=nq, num_keys=nk)
+    if b == 1 and _contiguous(tables[0]):
+        meta.kv_start = tables[0][0] * block_size
+    elif b:
+        nb = max(len(t) for t in tables)
+        meta.kv_blocks = torch.tensor([t + [0] * (nb - len(t)) for t in tables], dtype=torch.long, device=device)
+    if any(n != nq for n in n_new):
+        query_index: list[int] = []
+        out_index: list[int] = []
+        row = 0
+        for i, n in enumerate(n_new):
+            query_index += range(row, row + n)
+            query_index += [0] * (nq - n)
+            out_index += range(i * nq, i * nq + n)
+            row += n
+        meta.query_index = torch.tensor(query_index, dtype=torch.long, device=device)
+        meta.out_index = torch.tensor(out_index, dtype=torch.long, device=device)
+
+    all_chains = all(chains)
+    if b == 1 and all_chains and n_new[0] == n_keys[0]:
+        meta.causal = True  # a fresh prompt: queries and keys coincide
+    elif not (all_chains and nq == 1 and all(n == nk for n in n_keys)):
+        # Padding queries see key 0 only, so softmax never sees an empty row.
+        lim = [row + [1] * (nq - len(row)) for row in limits]
+        mask = torch.arange(nk, device=device) < torch.tensor(lim, dtype=torch.long, device=device).unsqueeze(-1)
+        if tree_visible:
+            idx = torch.tensor(tree_visible, dtype=torch.long, device=device).t()
+            mask[idx[0], idx[1], idx[2]] = True
+        meta.mask = mask.unsqueeze(1)  # [B, 1, Q, L]
+
+    logit_range = None
+    if logit_rows and logit_rows[-1] - logit_rows[0] == len(logit_rows) - 1 and \
+            logit_rows == list(range(logit_rows[0], logit_rows[-1] + 1)):
+        logit_range = (logit_rows[0], logit_rows[-1] + 1)
     return BuiltBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         meta=meta,
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        logit_range=logit_range,
     )
 
 

@@ -28,7 +28,12 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, H]
         if batch.logit_rows.numel() == 0:
             return hidden.new_empty(0, 0)
-        return self.model.compute_logits(hidden[batch.logit_rows]).float()  # [R, V]
+        if batch.logit_range is not None:
+            start, stop = batch.logit_range
+            wanted = hidden[start:stop] if stop - start < hidden.shape[0] else hidden
+        else:
+            wanted = hidden.index_select(0, batch.logit_rows)
+        return self.model.compute_logits(wanted).float()  # [R, V]
 
     def commit(self, commits: list[CommitSpec]) -> None:
         src: list[int] = []
