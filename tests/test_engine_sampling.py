@@ -48,6 +48,8 @@ def test_seeded_requests_are_reproducible_whatever_the_batch(llama, speculative)
                     SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]  # greedy
     in_batch = _run(llm, others[:1] + [prompt] + others[1:], other_params[:1] + [mine] + other_params[1:])
     assert in_batch[1] == alone
+    # The greedy request beside them is what it is alone, too.
+    assert in_batch[3] == _run(llm, [others[2]], other_params[2])[0]
     # Joining a running batch, under a KV pool so small that requests are preempted and recomputed.
     small = LLM(llama.target, cfg, block_size=4, num_kv_tokens=64)
     engine = small.engine

@@ -202,3 +202,13 @@ def test_a_refused_batch_leaves_nothing_behind(llama) -> None:
     assert not llm.engine.has_unfinished
     outs = llm.generate([[1, 7, 8]], greedy)
     assert len(outs) == 1 and outs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_max_tokens_ends_with_length(llama, speculative: bool) -> None:
+    llm = LLM(llama.target, spec(llama.perturbed, 3) if speculative else None)
+    for n in (1, 2, 7):
+        outs = llm.generate([[1, 2, 3], [1, 50, 51, 52, 53]], SamplingParams(max_tokens=n, temperature=0.8, seed=n,
+                                                                             ignore_eos=True))
+        assert [len(o.token_ids) for o in outs] == [n, n] and {o.finish_reason for o in outs} == {"length"}
+        assert all(o.finished for o in outs)
