@@ -109,3 +109,75 @@ def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, object]:
         for o in engine.step():
             outs[o.request_id] = o
     raise AssertionError(f"engine still has unfinished requests after {max_steps} steps")
+
+
+# ------------------------------------------------------------------ Ray tests (test_ray_executor, test_ray_placement)
+
+TP_PROMPTS = [[1, 17, 44, 9, 83], [1] + list(range(20, 32)), [1, 5]]
+TP_MAX_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class TPModels:
+    """A pair that splits over 1, 2, 4 and 8 ranks, and the target's greedy continuations of TP_PROMPTS."""
+
+    target: str  # 8 query heads over 4 kv heads (replicated at 8 ranks), intermediate 128
+    draft: str  # the target with noise on its weights: acceptance is partial, so accept and reject both run
+    expected: list[list[int]]  # transformers generate, greedy, TP_MAX_TOKENS tokens per prompt
+
+
+def hf_greedy_continuations(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers ``generate`` (greedy, EOS ignored): ``n`` new tokens per prompt."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            g = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def tp_models(tmp_path_factory: pytest.TempPathFactory) -> TPModels:
+    root = tmp_path_factory.mktemp("tp-models")
+    target = make_tiny_checkpoint(root / "target", family="llama", vocab_size=VOCAB, seed=6, head_dim=8,
+                                  num_attention_heads=8, num_key_value_heads=4)
+    draft = perturb_checkpoint(target, str(root / "draft"), scale=0.2, seed=7)
+    return TPModels(target, draft, hf_greedy_continuations(target, TP_PROMPTS, TP_MAX_TOKENS))
+
+
+def ray_leftovers(workers: list[dict] | None = None, timeout_s: float = 60.0) -> list[str]:
+    """What a shut-down engine left behind in the connected Ray cluster: worker actors not dead, placement
+    groups not removed, worker processes still running. ``workers``: the engine's ``describe()`` from before
+    the shutdown (None: every worker actor and placement group in the cluster). Waits up to ``timeout_s`` for
+    Ray to finish the kills."""
+    import time
+
+    import ray
+    from ray._private import state  # the GCS tables; ray.util.state needs the dashboard, which tests leave off
+
+    actor_ids = None if workers is None else {w["actor_id"] for w in workers}
+    group_ids = None if workers is None else {w["placement_group_id"] for w in workers}
+    pids = [] if workers is None else [w["pid"] for w in workers]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [f"actor {a['ActorID']} is {a['State']}" for a in state.actors().values()
+                if a.get("ActorClassName") == "WorkerProcess" and a.get("State") != "DEAD"
+                and (actor_ids is None or a["ActorID"] in actor_ids)]
+        left += [f"placement group {g} is {info['state']}" for g, info in ray.util.placement_group_table().items()
+                 if info["state"] != "REMOVED" and (group_ids is None or g in group_ids)]
+        left += [f"worker process {pid} is alive" for pid in pids if _process_alive(pid)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited: only its entry remains
+    except (FileNotFoundError, ProcessLookupError):
+        return False

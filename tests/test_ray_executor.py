@@ -1,0 +1,207 @@
+"""Workers in Ray actors, tensor-parallel ranks over Gloo on CPU: the output is the in-process engine's.
+
+Every engine here answers the same mixed batch (each prompt greedy, and again sampled with a fixed seed):
+greedy tokens must equal transformers ``generate`` and the in-process engine's; seeded sampled tokens must
+equal the in-process engine's (every rank draws from the same per-request stream, and q crosses the wire bit
+for bit). Then: both transports give identical outputs, shutdown leaves nothing behind, and a worker's error
+reaches the caller with its traceback.
+
+Starting a worker costs seconds (a process importing torch and transformers), so the module shares one Ray
+cluster and starts each engine configuration once. TP=8 on CPU runs in test_ray_placement.py, on a cluster
+that declares 9 GPUs (the workers fall back to the CPU there too).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from scheduler.sampling_params import SamplingParams
+from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, ray_leftovers
+from workers.messages import SamplingSpec, TargetStep, VerifySeq
+
+SPECS = {  # name -> speculative settings (None: no speculation)
+    "off": None,
+    "chain": {"num_speculative_tokens": 3},
+    "tree": {"num_speculative_tokens": 3, "tree_branching": [2, 1, 1]},
+}
+GREEDY = SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+PARAMS = [GREEDY] * len(TP_PROMPTS) + [
+    SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True)
+    for i in range(len(TP_PROMPTS))]
+
+
+def speculative(models: TPModels, name: str, **extra) -> dict | None:
+    s = SPECS[name]
+    return None if s is None else {"method": "draft_model", "model": models.draft, **s, **extra}
+
+
+def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
+    """(greedy outputs, seeded sampled outputs) for TP_PROMPTS, one batch."""
+    outs = [o.token_ids for o in llm.generate(TP_PROMPTS + TP_PROMPTS, PARAMS)]
+    return outs[: len(TP_PROMPTS)], outs[len(TP_PROMPTS):]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray for the module; engines reuse it (and leave it running when they shut down)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+class Engines:
+    """Ray engines started once per module and configuration; a test may take one and shut it down."""
+
+    def __init__(self, models: TPModels) -> None:
+        self.models = models
+        self.llms: dict[str, LLM] = {}
+        self.outputs: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(self, key: str, spec: str, **kwargs) -> LLM:
+        if key not in self.llms:
+            extra = kwargs.pop("spec_extra", {})
+            self.llms[key] = LLM(self.models.target, speculative(self.models, spec, **extra),
+                                 distributed_executor_backend="ray", **kwargs)
+        return self.llms[key]
+
+    def output(self, key: str, spec: str, **kwargs) -> tuple[list[list[int]], list[list[int]]]:
+        if key not in self.outputs:
+            self.outputs[key] = run(self.get(key, spec, **kwargs))
+        return self.outputs[key]
+
+    def take(self, key: str, spec: str, **kwargs) -> LLM:
+        """The engine, no longer shared: the caller shuts it down."""
+        llm = self.get(key, spec, **kwargs)
+        del self.llms[key]
+        return llm
+
+    def close(self) -> None:
+        for llm in self.llms.values():
+            llm.shutdown()
+        self.llms.clear()
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, tp_models: TPModels):
+    e = Engines(tp_models)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def in_process(tp_models: TPModels):
+    """Outputs of the in-process engine (tensor_parallel_size 1, no Ray), by speculation setting."""
+    cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            llm = LLM(tp_models.target, speculative(tp_models, name), distributed_executor_backend="uni")
+            cache[name] = run(llm)
+            llm.shutdown()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_in_process_equals_transformers(tp_models: TPModels, in_process, name: str) -> None:
+    greedy, sampled = in_process(name)
+    assert greedy == tp_models.expected
+    assert all(len(s) == TP_MAX_TOKENS for s in sampled)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_tp2_equals_in_process_and_transformers(tp_models: TPModels, engines: Engines, in_process, name: str) -> None:
+    key = f"tp2-{name}"
+    greedy, sampled = engines.output(key, name, tensor_parallel_size=2)
+    stats = engines.get(key, name).engine.stats
+    if key not in ("tp2-off", "tp2-tree"):  # the tests below use those two
+        engines.take(key, name).shutdown()
+    assert greedy == tp_models.expected
+    assert (greedy, sampled) == in_process(name)
+    if name != "off":
+        # Speculation really ran, and some candidates were accepted (commits of accepted paths on both ranks).
+        assert stats.num_rounds > 0 and 0 < stats.num_accepted < stats.num_drafted
+
+
+def test_tp2_workers_are_where_the_plan_says(engines: Engines) -> None:
+    workers = engines.get("tp2-tree", "tree", tensor_parallel_size=2).engine.executor.describe()
+    target = sorted((w for w in workers if w["role"] == "target"), key=lambda w: w["rank"])
+    draft = [w for w in workers if w["role"] == "draft"]
+    assert [(w["rank"], w["world_size"], w["bundle_index"]) for w in target] == [(0, 2, 0), (1, 2, 1)]
+    assert [(w["rank"], w["world_size"]) for w in draft] == [(0, 1)]
+    assert {w["device"] for w in workers} == {"cpu"}
+    assert len({w["pid"] for w in workers}) == 3
+    assert target[0]["node_id"] == target[1]["node_id"]
+
+
+def test_transports_give_identical_outputs(engines: Engines) -> None:
+    zmq = engines.output("tp2-tree", "tree", tensor_parallel_size=2)
+    llm = engines.take("tp2-tree-ray", "tree", tensor_parallel_size=2, transport="ray")
+    try:
+        assert llm.engine.executor.parallel.transport == "ray"
+        assert run(llm) == zmq
+    finally:
+        llm.shutdown()
+
+
+def test_draft_tp2_with_target_tp2(tp_models: TPModels, engines: Engines, in_process,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # Settings in SPECSERVE_* variables reach the workers even though Ray started before they were set.
+    monkeypatch.setenv("SPECSERVE_WORKER_THREADS", "2")
+    llm = engines.take("tp2-draft2", "tree", tensor_parallel_size=2, spec_extra={"draft_tensor_parallel_size": 2})
+    try:
+        workers = llm.engine.executor.describe()
+        assert sorted((w["role"], w["rank"], w["world_size"], w["bundle_index"]) for w in workers) == [
+            ("draft", 0, 2, 0), ("draft", 1, 2, 1), ("target", 0, 2, 0), ("target", 1, 2, 1)]
+        assert {w["threads"] for w in workers} == {2}
+        greedy, sampled = run(llm)
+        assert greedy == tp_models.expected
+        assert (greedy, sampled) == in_process("tree")
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_tp4_pipelined_tree(tp_models: TPModels, engines: Engines, in_process) -> None:
+    # The draft works on round r+1 while the target's 4 ranks verify round r: replies of both roles interleave.
+    llm = engines.take("tp4-pipe", "tree", tensor_parallel_size=4, spec_extra={"pipeline": True})
+    try:
+        assert len(llm.engine.executor.describe()) == 5
+        greedy, sampled = run(llm)
+        assert greedy == tp_models.expected
+        assert (greedy, sampled) == in_process("tree")
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_leaves_no_actors_groups_or_processes(engines: Engines) -> None:
+    engines.output("tp2-off", "off", tensor_parallel_size=2)  # used, not just started
+    llm = engines.take("tp2-off", "off", tensor_parallel_size=2)
+    workers = llm.engine.executor.describe()
+    assert len(workers) == 2
+    llm.shutdown()
+    assert ray_leftovers(workers) == []
+    llm.shutdown()  # twice is harmless
+
+
+def test_worker_error_reaches_the_caller_and_shutdown_is_clean(engines: Engines) -> None:
+    llm = engines.take("tp2-tree", "tree", tensor_parallel_size=2)
+    executor = llm.engine.executor
+    workers = executor.describe()
+    greedy = SamplingSpec(temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=1)
+    bad = TargetStep(seqs=[VerifySeq(seq_id=999, block_table=[10**6], base_len=0, token_ids=[1], tree_tokens=[],
+                                     tree_parents=[], sampling=greedy)])  # a block far outside the KV pool
+    try:
+        executor.submit_target(bad)
+        with pytest.raises(RuntimeError, match="worker failed") as err:
+            executor.wait_target()
+        assert "target rank" in str(err.value) and "Traceback" in str(err.value)
+    finally:
+        llm.shutdown()
+    assert ray_leftovers(workers) == []
