@@ -40,7 +40,9 @@ def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     outs = []
     for p in prompts:
         with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            ids = torch.tensor([p])  # an explicit mask: generate would otherwise mask prompt tokens equal to pad
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                            pad_token_id=0)
         out = g[0, len(p):].tolist()
         assert len(out) == n
         outs.append(out)
@@ -211,3 +213,17 @@ def test_preemption_and_recompute(llama, llama_expected, speculative, monkeypatc
     assert len(preempted) >= 2
     s = llm.engine.scheduler
     assert s.target_blocks.num_free == s.target_blocks.num_blocks
+
+
+@pytest.mark.parametrize("branching", [[1, 1, 1], [3, 2]])
+def test_draft_with_a_smaller_vocabulary(small_vocab, branching: list[int]) -> None:
+    """The draft knows 10 of the target's 12 ids: its candidates never include the other two, the output is
+    still the target's greedy output."""
+    target, draft = small_vocab
+    prompts = [[1, 7, 4], [1] + [3, 9, 5, 11, 0] * 3]
+    expected = hf_greedy(target, prompts, 24)
+    assert any(t >= 10 for out in expected for t in out)  # the target does emit ids the draft lacks
+    got, engine = _generate(target, spec(draft, None, branching), prompts=prompts,
+                            params=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert got == expected
+    assert engine.stats.num_rounds > 0
