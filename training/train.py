@@ -78,12 +78,19 @@ def train_pair(
     cfg: TrainConfig,
     out: dict[str, Path],
     on_snapshot: Callable[[], None] | None = None,
+    init: dict[str, Path] | None = None,
 ) -> dict[str, object]:
-    """Train both models; write fp16 snapshots to out['target'] / out['draft']; return a log summary."""
+    """Train both models; write fp16 snapshots to out['target'] / out['draft']; return a log summary.
+
+    ``init``: start from a previous pair's weights (fp16 on disk, trained on in fp32) instead of random ones.
+    """
     torch.manual_seed(cfg.seed)
     target = LlamaForCausalLM(target_cfg)
     torch.manual_seed(cfg.seed + 1)
     draft = LlamaForCausalLM(draft_cfg)
+    if init is not None:
+        target = LlamaForCausalLM.from_pretrained(str(init["target"]), dtype=torch.float32)
+        draft = LlamaForCausalLM.from_pretrained(str(init["draft"]), dtype=torch.float32)
     target.train()
     draft.train()
     opt_t = make_optimizer(target, cfg.target_lr, cfg.weight_decay)

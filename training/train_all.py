@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--max-minutes", type=float, default=TrainConfig.max_minutes)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue from a previous pair (a dir with target/ and draft/), with a fresh schedule")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens used for loss/agreement")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
@@ -77,7 +80,7 @@ def main() -> None:
 
     if "train" in stages:
         cfg = TrainConfig(steps=args.steps, max_minutes=args.max_minutes, batch_size=args.batch_size,
-                          seed=args.seed)
+                          seq_len=args.seq_len, seed=args.seed)
         if args.quick:
             cfg = TrainConfig(steps=3, max_minutes=2.0, batch_size=1, seq_len=128, warmup_steps=1,
                               log_every=1, seed=args.seed)
@@ -87,7 +90,14 @@ def main() -> None:
         eos = int(tok.eos_token_id)
         train_ids = np.load(work / "train.npy")
         t_cfg, d_cfg = target_config(len(tok), eos), draft_config(len(tok), eos)
-        log["train"] = train_pair(t_cfg, d_cfg, train_ids, cfg, dirs)
+        init = None
+        if args.init_from is not None:
+            # Copy first: the snapshots below overwrite the output dirs, which may be the init dirs themselves.
+            init = {k: work / f"init_{k}" for k in dirs}
+            for k, d in init.items():
+                shutil.rmtree(d, ignore_errors=True)
+                shutil.copytree(args.init_from / k, d)
+        log["train"] = train_pair(t_cfg, d_cfg, train_ids, cfg, dirs, init=init)
         for d in dirs.values():
             copy_tokenizer(work / "tokenizer", d)
         log_path.write_text(json.dumps(log, indent=2))
