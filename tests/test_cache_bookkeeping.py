@@ -68,16 +68,23 @@ def check_cache(worker, tables: dict[int, list[int]], requests, which: str) -> i
     return checked
 
 
-@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting"])
+@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees"])
 def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     if case == "tree-chunked":
         speculative = spec(llama.perturbed, None, [2, 2, 1])
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12, block_size=4)
         cache = CacheConfig(block_size=4)
-    else:
+    elif case == "chain-preempting":
         speculative = spec(llama.perturbed, 4)
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=4)
         cache = CacheConfig(block_size=4, num_kv_tokens=96)
+    else:
+        # Without replacement under top-k / top-p, a node often has fewer children than the shape allows: the
+        # trees come out irregular, and so do the scratch layouts the commits must follow.
+        speculative = spec(llama.perturbed, None, [3, 2, 2], sampling="without_replacement")
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=2)
+        cache = CacheConfig(block_size=2)
+    narrow = [{"top_k": 2}, {"top_p": 0.6}, {"top_k": 1}, {}, {"min_p": 0.3}]
     engine = LLMEngine(EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(speculative),
                                     scheduler=sched, cache=cache))
     target, draft = workers(engine)
@@ -101,7 +108,9 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     sched_._preempt = counting_preempt
 
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=36, temperature=1.0, seed=100 + i, ignore_eos=True))
+        extra = narrow[i] if case == "narrow-trees" else {}
+        engine.add_request(str(i), p, SamplingParams(max_tokens=36, temperature=1.0, seed=100 + i, ignore_eos=True,
+                                                     **extra))
     outs = {}
     while engine.has_unfinished:
         batch_outs = engine.step()
@@ -113,6 +122,9 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     assert 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
     assert 1 < stats.mean_acceptance_length < speculative["num_speculative_tokens"] + 1, stats.as_dict()
     assert counts["target"] > 500 and counts["draft"] > 500, counts
+    if case == "narrow-trees":  # top_k=1: one child per node whatever the shape asks, so chains of <= 3
+        assert outs["2"].metrics["drafted_tokens"] <= 3 * outs["2"].metrics["rounds"], outs["2"].metrics
+        assert outs["3"].metrics["drafted_tokens"] > 3 * outs["3"].metrics["rounds"], outs["3"].metrics
     if case == "chain-preempting":
         assert counts["preempted"] > 0, "the pool was meant to force preemption"
     assert sched_.target_blocks.num_free == sched_.target_blocks.num_blocks
