@@ -61,10 +61,11 @@ class RayExecutor:
             ray.init(address=parallel.address, log_to_driver=False)
         else:
             # A local cluster must offer one CPU bundle per worker even on a 2-core machine: bundles are
-            # reservations, and these workers mostly wait on each other.
+            # reservations, and these workers mostly wait on each other. address="local": without it,
+            # ray.init joins any cluster `ray start` left on this machine (and refuses num_cpus there).
             bundles = parallel.tensor_parallel_size + (parallel.draft_tensor_parallel_size if has_draft else 0)
-            ray.init(num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         self._started_ray = True
 
     def _reserve(self, plan: PlacementPlan, specs: list[tuple[list[dict[str, float]], str]]) -> list[Any]:
