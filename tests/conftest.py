@@ -149,11 +149,11 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> TPModels:
     return TPModels(target, draft, hf_greedy_continuations(target, TP_PROMPTS, TP_MAX_TOKENS))
 
 
-def ray_leftovers(workers: list[dict] | None = None, timeout_s: float = 60.0) -> list[str]:
+def ray_leftovers(workers: list[dict] | None = None, timeout_s: float = 60.0, check_ray: bool = True) -> list[str]:
     """What a shut-down engine left behind in the connected Ray cluster: worker actors not dead, placement
     groups not removed, worker processes still running. ``workers``: the engine's ``describe()`` from before
-    the shutdown (None: every worker actor and placement group in the cluster). Waits up to ``timeout_s`` for
-    Ray to finish the kills."""
+    the shutdown (None: every worker actor and placement group in the cluster). ``check_ray=False``: only the
+    processes (Ray itself is gone). Waits up to ``timeout_s`` for Ray to finish the kills."""
     import time
 
     import ray
@@ -164,12 +164,14 @@ def ray_leftovers(workers: list[dict] | None = None, timeout_s: float = 60.0) ->
     pids = [] if workers is None else [w["pid"] for w in workers]
     deadline = time.monotonic() + timeout_s
     while True:
-        left = [f"actor {a['ActorID']} is {a['State']}" for a in state.actors().values()
-                if a.get("ActorClassName") == "WorkerProcess" and a.get("State") != "DEAD"
-                and (actor_ids is None or a["ActorID"] in actor_ids)]
-        left += [f"placement group {g} is {info['state']}" for g, info in ray.util.placement_group_table().items()
-                 if info["state"] != "REMOVED" and (group_ids is None or g in group_ids)]
-        left += [f"worker process {pid} is alive" for pid in pids if _process_alive(pid)]
+        left = [f"worker process {pid} is alive" for pid in pids if _process_alive(pid)]
+        if check_ray:
+            left += [f"actor {a['ActorID']} is {a['State']}" for a in state.actors().values()
+                     if a.get("ActorClassName") == "WorkerProcess" and a.get("State") != "DEAD"
+                     and (actor_ids is None or a["ActorID"] in actor_ids)]
+            left += [f"placement group {g} is {info['state']}"
+                     for g, info in ray.util.placement_group_table().items()
+                     if info["state"] != "REMOVED" and (group_ids is None or g in group_ids)]
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)

@@ -7,8 +7,9 @@ for bit). Then: both transports give identical outputs, shutdown leaves nothing 
 reaches the caller with its traceback.
 
 Starting a worker costs seconds (a process importing torch and transformers), so the module shares one Ray
-cluster and starts each engine configuration once. TP=8 on CPU runs in test_ray_placement.py, on a cluster
-that declares 9 GPUs (the workers fall back to the CPU there too).
+cluster (after the first test, which checks that an engine starts and stops a Ray of its own) and starts each
+engine configuration once. TP=8 on CPU runs in test_ray_placement.py, on a cluster that declares 9 GPUs (the
+workers fall back to the CPU there too).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -115,18 +116,33 @@ def test_in_process_equals_transformers(tp_models: TPModels, in_process, name: s
     assert all(len(s) == TP_MAX_TOKENS for s in sampled)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
+def test_engine_starts_and_stops_its_own_ray(tp_models: TPModels, in_process) -> None:
+    # No Ray running: the executor starts a local one and takes it down with the workers (the CLI's path).
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    llm = LLM(tp_models.target, None, tensor_parallel_size=2)
+    try:
+        assert ray.is_initialized()
+        workers = llm.engine.executor.describe()
+        greedy, sampled = run(llm)
+    finally:
+        llm.shutdown()
+    assert not ray.is_initialized()
+    assert ray_leftovers(workers, check_ray=False) == []
+    assert greedy == tp_models.expected
+    assert (greedy, sampled) == in_process("off")
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
 def test_tp2_equals_in_process_and_transformers(tp_models: TPModels, engines: Engines, in_process, name: str) -> None:
-    key = f"tp2-{name}"
-    greedy, sampled = engines.output(key, name, tensor_parallel_size=2)
-    stats = engines.get(key, name).engine.stats
-    if key not in ("tp2-off", "tp2-tree"):  # the tests below use those two
-        engines.take(key, name).shutdown()
+    greedy, sampled = engines.output(f"tp2-{name}", name, tensor_parallel_size=2)
+    stats = engines.get(f"tp2-{name}", name).engine.stats
     assert greedy == tp_models.expected
     assert (greedy, sampled) == in_process(name)
-    if name != "off":
-        # Speculation really ran, and some candidates were accepted (commits of accepted paths on both ranks).
-        assert stats.num_rounds > 0 and 0 < stats.num_accepted < stats.num_drafted
+    # Speculation really ran, and some candidates were accepted (commits of accepted paths on both ranks).
+    assert stats.num_rounds > 0 and 0 < stats.num_accepted < stats.num_drafted
 
 
 def test_tp2_workers_are_where_the_plan_says(engines: Engines) -> None:
@@ -181,10 +197,10 @@ def test_tp4_pipelined_tree(tp_models: TPModels, engines: Engines, in_process) -
 
 
 def test_shutdown_leaves_no_actors_groups_or_processes(engines: Engines) -> None:
-    engines.output("tp2-off", "off", tensor_parallel_size=2)  # used, not just started
-    llm = engines.take("tp2-off", "off", tensor_parallel_size=2)
+    engines.output("tp2-chain", "chain", tensor_parallel_size=2)  # used, not just started
+    llm = engines.take("tp2-chain", "chain", tensor_parallel_size=2)
     workers = llm.engine.executor.describe()
-    assert len(workers) == 2
+    assert len(workers) == 3
     llm.shutdown()
     assert ray_leftovers(workers) == []
     llm.shutdown()  # twice is harmless

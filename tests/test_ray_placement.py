@@ -49,7 +49,8 @@ def nine_gpus():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=16, num_gpus=9, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=16, num_gpus=9, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     yield
     ray.shutdown()
 
@@ -63,6 +64,9 @@ def two_nodes():
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 1, "include_dashboard": False})
+    # Cluster records its address in /tmp/ray/ray_current_cluster, where any ray.init() without an address
+    # on this machine would find and join it: forget it, so tests running beside this one are not affected.
+    ray._common.utils.reset_ray_address()
     cluster.add_node(num_cpus=4, num_gpus=2)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
