@@ -148,38 +148,43 @@ def pair_pvalues(tokens: np.ndarray, joint: np.ndarray) -> dict[str, float]:
     return {k: chi_square_pvalue(codes[k], laws[k].reshape(-1)) for k in laws}
 
 
-def sample_engine(target: str, speculative: dict | None, temperature: float, top_k: int = -1,
-                  top_p: float = 1.0, n: int = N, seed0: int = 0) -> tuple[np.ndarray, LLM]:
-    llm = LLM(target, speculative, max_num_seqs=n, max_num_batched_tokens=n * len(PROMPT), block_size=16,
-              num_kv_tokens=n * 16, max_model_len=32)
-    params = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + i,
-                             ignore_eos=True) for i in range(n)]
-    outs = llm.generate([PROMPT] * n, params)
+Law = tuple[float, int, float]  # (temperature, top_k, top_p)
+
+
+def sample_engine(target: str, speculative: dict | None, laws: list[Law], n: int = N,
+                  seed0: int = 0) -> tuple[list[np.ndarray], LLM]:
+    """``n`` requests per law, all in one batch, the laws interleaved; tokens [n, 4] per law."""
+    total = n * len(laws)
+    llm = LLM(target, speculative, max_num_seqs=total, max_num_batched_tokens=total * len(PROMPT), block_size=16,
+              num_kv_tokens=total * 16, max_model_len=32)
+    params = [SamplingParams(max_tokens=4, temperature=t, top_k=k, top_p=p, seed=seed0 + i, ignore_eos=True)
+              for i, (t, k, p) in enumerate(laws * n)]
+    outs = llm.generate([PROMPT] * total, params)
     tokens = np.array([o.token_ids for o in outs])
-    assert tokens.shape == (n, 4)
-    return tokens, llm
+    assert tokens.shape == (total, 4)
+    return [tokens[j:: len(laws)] for j in range(len(laws))], llm
 
 
-CASES = {  # name -> (branching, tree_sampling, temperature, top_k, top_p)
-    "chain-T1": ([1, 1], "iid", 1.0, -1, 1.0),
-    "tree-iid-T1": ([2, 2], "iid", 1.0, -1, 1.0),
-    "tree-wor-T0.7": ([3, 2], "without_replacement", 0.7, -1, 1.0),
-    "tree-iid-T0.7-topk5": ([2, 2], "iid", 0.7, 5, 1.0),
-    "chain-T1-topp0.8": ([1, 1], "iid", 1.0, -1, 0.8),
-    "tree-deterministic-T1": ([2, 1], "deterministic", 1.0, -1, 1.0),
+CASES = {  # name -> (branching, tree_sampling, laws sampled side by side in one batch)
+    "chain-T1": ([1, 1], "iid", [(1.0, -1, 1.0)]),
+    "tree-iid-T1-and-T0.7-topk5": ([2, 2], "iid", [(1.0, -1, 1.0), (0.7, 5, 1.0)]),
+    "tree-wor-T0.7": ([3, 2], "without_replacement", [(0.7, -1, 1.0)]),
+    "chain-T1-topp0.8": ([1, 1], "iid", [(1.0, -1, 0.8)]),
+    "tree-deterministic-T1": ([2, 1], "deterministic", [(1.0, -1, 1.0)]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_speculative_output_follows_the_target_law(small_vocab, target_logits, case: str) -> None:
     target, draft = small_vocab
-    branching, mode, temperature, top_k, top_p = CASES[case]
-    tokens, llm = sample_engine(target, spec(draft, None, branching, mode), temperature, top_k, top_p)
+    branching, mode, laws = CASES[case]
+    samples, llm = sample_engine(target, spec(draft, None, branching, mode), laws)
     stats = llm.engine.stats
     # The rounds really speculated, accepting some candidates and rejecting others.
-    assert stats.num_rounds >= N and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
-    pvalues = pair_pvalues(tokens, exact_joint(target_logits, temperature, top_k, top_p))
-    assert min(pvalues.values()) > ALPHA, pvalues
+    assert stats.num_rounds >= N * len(laws) and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
+    for tokens, law in zip(samples, laws, strict=True):
+        pvalues = pair_pvalues(tokens, exact_joint(target_logits, *law))
+        assert min(pvalues.values()) > ALPHA, (law, pvalues)
 
 
 def test_the_distribution_test_has_power(small_vocab, target_logits, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,7 +200,7 @@ def test_the_distribution_test_has_power(small_vocab, target_logits, monkeypatch
         return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
 
     monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
-    tokens, _ = sample_engine(target, spec(draft, None, [2, 2], "iid"), 1.0)
+    (tokens,), _ = sample_engine(target, spec(draft, None, [2, 2], "iid"), [(1.0, -1, 1.0)])
     pvalues = pair_pvalues(tokens, exact_joint(target_logits, 1.0))
     assert min(pvalues.values()) < 1e-6, pvalues
 
@@ -203,6 +208,6 @@ def test_the_distribution_test_has_power(small_vocab, target_logits, monkeypatch
 def test_no_speculation_follows_the_target_law(small_vocab, target_logits) -> None:
     """The reference itself: plain sampling matches it, and the test tells T = 0.7 from T = 0.9."""
     target, _ = small_vocab
-    tokens, _ = sample_engine(target, None, 0.7, n=1000, seed0=5 * N)
+    (tokens,), _ = sample_engine(target, None, [(0.7, -1, 1.0)], n=1000, seed0=5 * N)
     assert min(pair_pvalues(tokens, exact_joint(target_logits, 0.7)).values()) > ALPHA
     assert min(pair_pvalues(tokens, exact_joint(target_logits, 0.9)).values()) < 1e-6
