@@ -8,8 +8,9 @@ SPECSERVE_WORKER_THREADS torch threads (default 1), so TP=2 also uses twice the 
 
     python -m engine.benchmarks.tp_step [--batches 1,8] [--steps 60] [--json runs/tp_step.json]
 
-On CPU, Gloo's all-reduce (2 per layer, plus the logits all-gather) costs more than the halved matmuls save
-at small batch; the numbers say by how much. On GPUs (NCCL) the trade-off is different: measure there.
+On CPU, Gloo's collectives (two all-reduces per layer, one for the embedding, the logits' all-gather) cost
+more than the halved matmuls save at small batch; the numbers say by how much. On GPUs (NCCL) the trade-off
+is different: measure there.
 """
 
 from __future__ import annotations
