@@ -28,6 +28,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-tokens", type=int, default=None, help="KV pool size per model, in tokens")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="target ranks (Ray actors)")
     p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one if needed)")
+    p.add_argument("--transport", choices=["zmq", "ray"], default="zmq",
+                   help="per-round messages to Ray workers: msgpack over zmq (default) or Ray actor calls")
+    p.add_argument("--placement-timeout", type=float, default=60.0,
+                   help="seconds to wait for Ray to place the workers before failing with what is missing")
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None,
                    help="uni: workers in this process (tp 1 only); ray: Ray actors. Default: ray when "
                         "tensor parallelism or --address asks for it")
@@ -49,7 +53,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   block_size=args.block_size),
         cache=CacheConfig(block_size=args.block_size, num_kv_tokens=args.num_kv_tokens),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, address=args.address,
-                                backend=args.distributed_executor_backend))
+                                backend=args.distributed_executor_backend, transport=args.transport,
+                                placement_timeout_s=args.placement_timeout))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -66,6 +66,10 @@ class LLMEngine:
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
             parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
+        # Refuse a size that does not divide the heads before any worker is placed or loads weights.
+        tcfg.check_tp(parallel.tensor_parallel_size)
+        if spec is not None:
+            ModelConfig.from_pretrained(spec.model).check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
                                       draft_cfg)

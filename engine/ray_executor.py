@@ -40,7 +40,9 @@ class RayExecutor:
             self.plan = plan
             roles = {"target": (target, plan.target_bundles, "STRICT_PACK")}
             if draft is not None:
-                roles["draft"] = (draft, plan.draft_bundles, "PACK")
+                # The draft's own ranks (if any) need a fast link among themselves too; the draft as a whole
+                # may still sit on another node than the target.
+                roles["draft"] = (draft, plan.draft_bundles, "STRICT_PACK")
             # Every bundle is reserved before any worker starts, so a plan the cluster cannot hold fails
             # within placement_timeout_s without loading a model first; then both roles start side by side.
             groups = self._reserve(plan, [(bundles, strategy) for _, bundles, strategy in roles.values()])
