@@ -63,14 +63,18 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq / tp, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv / tp, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) / tp * D]
+        qk_size = self.qkv_proj.q_size + self.qkv_proj.kv_size
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv / tp, D]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = qkv[:, :qk_size].split([self.qkv_proj.q_size, self.qkv_proj.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))  # [T, Hq / tp, D]
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))  # [T, Hkv / tp, D]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            # q and k heads are adjacent columns: rotate them in one call (same arithmetic, half the op count).
+            qk = apply_rotary(qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq / tp, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
 
@@ -111,7 +115,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rotary_emb(positions)  # [T, D] each, once for all layers
+        cos, sin = self.rotary_emb(positions)  # [T, 1, D] each, once for all layers
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, ctx)
         return self.norm(hidden)
