@@ -90,10 +90,9 @@ class PagedMetadata:
 
 
 class KVCacheLike(Protocol):
-    k: list[torch.Tensor]  # per layer [slots, Hkv, D]
-    v: list[torch.Tensor]
-
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def slot_range(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -121,9 +120,7 @@ class PagedContext:
         if b == 0:
             return q  # no new tokens
         if m.kv_start is not None:
-            # [1, Hkv, L, D] views of the cache: no copy.
-            keys = cache.k[layer][m.kv_start:m.kv_start + nk].transpose(0, 1).unsqueeze(0)
-            values = cache.v[layer][m.kv_start:m.kv_start + nk].transpose(0, 1).unsqueeze(0)
+            keys, values = cache.slot_range(layer, m.kv_start, nk)  # [1, Hkv, L, D] views of the cache: no copy
         else:
             keys, values = cache.gather_blocks(layer, m.kv_blocks)  # [B, nb * block_size, Hkv, D] each
             keys, values = keys[:, :nk].transpose(1, 2), values[:, :nk].transpose(1, 2)  # [B, Hkv, L, D]

@@ -33,6 +33,9 @@ class KVCache:
         self.v = list(self.kv[1].unbind(0))
         self.k_blocks = [t.view(num_blocks, block_size, num_kv_heads, head_dim) for t in self.k]
         self.v_blocks = [t.view(num_blocks, block_size, num_kv_heads, head_dim) for t in self.v]
+        # [1, Hkv, slots, D]: SDPA's layout, so a contiguous run of slots is one narrow() away.
+        self.k_heads = [t.transpose(0, 1).unsqueeze(0) for t in self.k]
+        self.v_heads = [t.transpose(0, 1).unsqueeze(0) for t in self.v]
 
     @property
     def num_slots(self) -> int:
@@ -60,8 +63,8 @@ class KVCache:
                 self.v_blocks[layer].index_select(0, flat).view(shape))
 
     def slot_range(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [start, start + length) as views (no copy) -> k, v: [length, Hkv, D]."""
-        return self.k[layer][start:start + length], self.v[layer][start:start + length]
+        """Slots [start, start + length) as views (no copy) -> k, v: [1, Hkv, length, D]."""
+        return self.k_heads[layer].narrow(2, start, length), self.v_heads[layer].narrow(2, start, length)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the state at slots ``src`` [M] to slots ``dst`` [M] in every layer.
