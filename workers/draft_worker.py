@@ -201,10 +201,12 @@ class DraftWorker(WorkerBase):
         flat = [x for rr in rows for x in rr]
         counts = [len(rr) for rr in rows]
         logits = torch.stack(flat)  # [rows, Vd]
-        # Transforms on the draft's own vocabulary, then zeros for target ids it lacks: q must be the law the
-        # children are actually drawn from.
-        probs = pad_draft_probs(logits_to_probs(logits, sampling_batch([r.seq.sampling for r in reqs], counts,
-                                                                       logits.device)), self.vocab_size)  # [rows, V]
+        probs = None  # greedy requests take the top tokens and need no law (a sort over the vocabulary per row)
+        if not all(r.seq.sampling.greedy for r in reqs):
+            # Transforms on the draft's own vocabulary, then zeros for target ids it lacks: q must be the law the
+            # children are actually drawn from.
+            params = sampling_batch([r.seq.sampling for r in reqs], counts, logits.device)
+            probs = pad_draft_probs(logits_to_probs(logits, params), self.vocab_size)  # [rows, V]
         row = 0
         for r in reqs:
             width = r.seq.branching[d]
