@@ -16,6 +16,7 @@ import pytest
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, ray_leftovers
+from tests.helpers_models import make_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SAMPLED = [SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.8, seed=2000 + i, ignore_eos=True)
@@ -150,10 +151,13 @@ class TestTwoNodes:
         assert sorted(w["bundle_index"] for w in target) == [0, 1]
         assert greedy == tp_models.expected
 
-    def test_target_ranks_are_never_split_across_nodes(self, tp_models: TPModels) -> None:
-        # 3 GPUs in the cluster, but not 3 on one node. (Placement is decided before any model is loaded, so
-        # a size that would not divide the model's heads still shows the placement error.)
-        message, seconds = refused(tp_models, tensor_parallel_size=3)
+    def test_target_ranks_are_never_split_across_nodes(self, tmp_path) -> None:
+        # 3 GPUs in the cluster, but not 3 on one node. The model splits over 3 ranks (heads are checked
+        # before placement), so what fails is the placement.
+        target = make_tiny_checkpoint(tmp_path / "tp3", family="llama", vocab_size=96, seed=7, hidden_size=48,
+                                      num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                      intermediate_size=96, num_hidden_layers=1)
+        message, seconds = refused(TPModels(target, target, []), tensor_parallel_size=3)
         assert "no node has 3 GPU for the target's ranks (largest: 2)" in message
         assert "2 node(s)" in message
         assert seconds < PLACEMENT_TIMEOUT_S + 30
