@@ -82,7 +82,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     The two orientations sum in different orders, so results differ from ``F.linear`` in the last bits (as
     ``F.linear`` itself differs between 1 row and 5).
     """
-    if x.dim() == 2 and SMALL_M_ROWS[0] <= x.shape[0] <= SMALL_M_ROWS[1] and x.device.type == "cpu":
+    if (x.dim() == 2 and SMALL_M_ROWS[0] <= x.shape[0] <= SMALL_M_ROWS[1] and x.device.type == "cpu"
+            and weight.is_contiguous()):  # a column-major weight is already fast as x @ W^T
         y = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
