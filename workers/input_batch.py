@@ -113,7 +113,7 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
     tables: list[list[int]] = []  # blocks covering the keys
     limits: list[list[int]] = []  # per query: keys [0, limit) visible before the tree's own ancestor rule
     chains: list[bool] = []
-    tree_visible: list[tuple[int, int, int]] = []  # (seq in attention batch, query, key) of tree ancestors
+    trees: list[tuple[int, int, SeqForward]] = []  # (seq in attention batch, first key of its scratch, piece)
     for s in seqs:
         n_scratch = len(s.parents)
         needed = s.base_len + n_scratch
@@ -121,11 +121,12 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
             raise ValueError(f"block table covers {len(s.block_table) * block_size} slots, {needed} needed")
         first = s.base_len + s.new_start  # slot position of this call's first node
         new = n_scratch - s.new_start
-        base_row = len(input_ids)
-        for j in s.logit_nodes:
-            if not s.new_start <= j < n_scratch:
-                raise ValueError(f"logit node {j} is not among this call's nodes [{s.new_start}, {n_scratch})")
-            logit_rows.append(base_row + j - s.new_start)
+        if s.logit_nodes:
+            if not s.new_start <= min(s.logit_nodes) <= max(s.logit_nodes) < n_scratch:
+                bad = [j for j in s.logit_nodes if not s.new_start <= j < n_scratch]
+                raise ValueError(f"logit node {bad[0]} is not among this call's nodes [{s.new_start}, {n_scratch})")
+            shift = len(input_ids) - s.new_start
+            logit_rows += [j + shift for j in s.logit_nodes]
         if new == 0:
             continue
         chain = is_chain(s.parents)
@@ -137,13 +138,8 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         else:
             depths = node_depths(s.parents)
             positions += [s.base_len + depths[j] for j in range(s.new_start, n_scratch)]
-            limits.append([s.base_len] * new)
-            b = len(n_new)
-            for i, j in enumerate(range(s.new_start, n_scratch)):
-                a = j
-                while a >= 0:
-                    tree_visible.append((b, i, s.base_len + a))
-                    a = s.parents[a]
+            limits.append([s.base_len] * new)  # the committed prefix; the scratch part comes from the tree
+            trees.append((len(n_new), s.base_len, s))
         chains.append(chain)
         n_new.append(new)
         n_keys.append(needed)
@@ -178,9 +174,21 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         # Padding queries see key 0 only, so softmax never sees an empty row.
         lim = [row + [1] * (nq - len(row)) for row in limits]
         mask = torch.arange(nk, device=device) < torch.tensor(lim, dtype=torch.long, device=device).unsqueeze(-1)
-        if tree_visible:
-            idx = torch.tensor(tree_visible, dtype=torch.long, device=device).t()
-            mask[idx[0], idx[1], idx[2]] = True
+        # Requests mostly share one tree shape: one indexed write per shape puts its ancestor pattern at every
+        # such request's scratch keys.
+        shapes: dict[tuple[int, tuple[int, ...]], tuple[list[int], list[int]]] = {}
+        for i, base, s in trees:
+            seqs_and_bases = shapes.setdefault((s.new_start, tuple(s.parents)), ([], []))
+            seqs_and_bases[0].append(i)
+            seqs_and_bases[1].append(base)
+        for (new_start, parents), (rows, bases) in shapes.items():
+            pattern = torch.tensor(ancestor_masks(list(parents))[new_start:], dtype=torch.bool,
+                                   device=device)  # [new, scratch]
+            n_q, n_s = pattern.shape
+            b_idx = torch.tensor(rows, dtype=torch.long, device=device).view(-1, 1, 1)
+            k_idx = torch.tensor(bases, dtype=torch.long, device=device).view(-1, 1, 1) + torch.arange(
+                n_s, device=device)  # [G, 1, scratch]
+            mask[b_idx, torch.arange(n_q, device=device).view(1, -1, 1), k_idx] = pattern
         meta.mask = mask.unsqueeze(1)  # [B, 1, Q, L]
 
     logit_range = None
