@@ -19,7 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tree keys: tree_branching, tree_sampling, max_tree_nodes. With no --target the built-in "
                         "draft is used unless this is 'none'")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the target's)")
-    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: the checkpoint's; "
+                   "float32 for half-precision checkpoints on CPU)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
