@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.request import count_accepted_positions
+
 
 @dataclass
 class SpecDecodingStats:
@@ -22,10 +24,7 @@ class SpecDecodingStats:
         self.num_drafted += drafted_tokens
         self.num_accepted += accepted
         self.num_emitted += emitted
-        while len(self.accepted_per_position) < accepted:
-            self.accepted_per_position.append(0)
-        for d in range(accepted):
-            self.accepted_per_position[d] += 1
+        count_accepted_positions(self.accepted_per_position, accepted)
 
     @property
     def mean_acceptance_length(self) -> float:

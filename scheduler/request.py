@@ -25,6 +25,13 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
 
 
+def count_accepted_positions(counts: list[int], accepted: int) -> None:
+    """counts[d] += 1 for every depth d < accepted (per-position acceptance, grown as needed)."""
+    counts.extend([0] * (accepted - len(counts)))
+    for d in range(accepted):
+        counts[d] += 1
+
+
 @dataclass
 class RequestStats:
     rounds: int = 0  # speculative rounds (verify passes) this request took part in
@@ -41,10 +48,7 @@ class RequestStats:
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += emitted
-        while len(self.accepted_per_position) < accepted:
-            self.accepted_per_position.append(0)
-        for d in range(accepted):
-            self.accepted_per_position[d] += 1
+        count_accepted_positions(self.accepted_per_position, accepted)
 
     @property
     def mean_acceptance_length(self) -> float:
