@@ -74,9 +74,3 @@ class KVCache:
         if src.numel() == 0:
             return
         self.kv.index_copy_(2, dst, self.kv.index_select(2, src))
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
