@@ -1,4 +1,5 @@
-"""One command that rebuilds the built-in default models: tokenizer, target + draft, prompts, evaluation.
+"""One command that rebuilds the built-in default models: tokenizer, target + draft, prompts, draft
+distillation on the target's own outputs, evaluation.
 
     OMP_NUM_THREADS=1 python -m training.train_all --out engine/default_models
 
@@ -26,7 +27,7 @@ from training import data as data_mod  # noqa: E402
 from training.models import CONTEXT, draft_config, target_config  # noqa: E402
 from training.train import TrainConfig, train_pair  # noqa: E402
 
-STAGES = ("data", "train", "prompts", "eval")
+STAGES = ("data", "train", "prompts", "gen", "distill", "eval")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -50,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     p.add_argument("--init-from", type=Path, default=None,
                    help="continue from a previous pair (a dir with target/ and draft/), with a fresh schedule")
+    p.add_argument("--gen-minutes", type=float, default=18.0,
+                   help="gen stage: time for the target to write continuations of training-file prompts")
+    p.add_argument("--distill-minutes", type=float, default=60.0, help="distill stage: draft-only training time")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens used for loss/agreement")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
@@ -58,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(stages) - set(STAGES)
     if unknown:
@@ -107,6 +111,19 @@ def main() -> None:
 
         heldout = [f for f in data_mod.collect_files()[1]]
         log["prompts"] = build_prompts(heldout, out / "prompts.jsonl", str(dirs["target"]), seed=args.seed)
+
+    if "gen" in stages or "distill" in stages:
+        from training import distill as distill_mod
+
+        if "gen" in stages:
+            n, minutes = (8, 1.0) if args.quick else (4096, args.gen_minutes)
+            log["gen"] = distill_mod.generate(out, work, n, minutes, chunk=4 if args.quick else 128,
+                                              seed=distill_mod.SEED)
+        if "distill" in stages:
+            steps, minutes, ev = (3, 1.0, 2) if args.quick else (100000, args.distill_minutes, 64)
+            log["distill"] = distill_mod.distill(out, work, out, minutes, steps, batch=2 if args.quick else 8,
+                                                 corpus_every=4, lr=1.5e-3, seed=distill_mod.SEED, eval_seqs=ev)
+        log_path.write_text(json.dumps(log, indent=2))
 
     if "eval" in stages:
         from training.evaluate import evaluate_pair
