@@ -119,3 +119,16 @@ def test_engine_acceptance_equals_exact_replay_on_trained_pair(k: int) -> None:
     assert stats.accepted_per_position == per_position[: len(stats.accepted_per_position)]
     # A trained pair: clearly better than a draft that never agrees (mean acceptance length 1).
     assert stats.mean_acceptance_length > 1.5
+
+
+def test_distill_batches_mark_the_target_written_positions() -> None:
+    """Position t predicts token t+1: the first target-written token is predicted at prompt_len - 1."""
+    import numpy as np
+
+    from training.distill import pad_batch
+
+    seqs = [np.array([5, 6, 7, 8, 9]), np.array([1, 2, 3])]  # prompts [5, 6, 7] and [1]
+    inputs, valid, is_new = pad_batch(seqs, [3, 1])
+    assert inputs.tolist() == [[5, 6, 7, 8], [1, 2, 0, 0]]
+    assert valid.tolist() == [[True] * 4, [True, True, False, False]]
+    assert is_new.tolist() == [[False, False, True, True], [True, True, False, False]]
