@@ -47,7 +47,8 @@ def measure(models: Path, ks: list[int], temperatures: list[float], num_prompts:
 def table(rows: list[dict], num_prompts: int, max_tokens: int, command: str) -> str:
     lines = [SECTION, "",
              f"Measured by `{command}` on {num_prompts} held-out prompts, {max_tokens} tokens each (ignore_eos), "
-             "chain speculation. Mean acceptance length counts the bonus/recovered token (vLLM's convention).", "",
+             "chain speculation. Mean acceptance length counts the bonus/recovered token (vLLM's convention); "
+             "acceptance at position j is the fraction of rounds whose first j candidates were all accepted.", "",
              "| K | temperature | mean acceptance length | acceptance per position | rounds |",
              "| --- | --- | --- | --- | --- |"]
     for r in rows:
