@@ -78,6 +78,10 @@ def build_prompts(heldout: list[SourceFile], out_path: Path, tokenizer_dir: str,
     with out_path.open("w", encoding="utf-8") as fh:
         for kind, items in (("sig", sigs), ("prefix", prefixes)):
             for i, (tag, text) in enumerate(items):
-                rec = {"id": f"{kind}-{i:02d}:{tag}", "prompt": text, "max_tokens": max_tokens}
+                # Sampling settings for `specserve generate` only (benchmarks read just the prompt and set
+                # their own): this small target loops when greedy and is noisy at T=1; T=0.6 with top-p 0.9
+                # reads most like code.
+                rec = {"id": f"{kind}-{i:02d}:{tag}", "prompt": text, "max_tokens": max_tokens,
+                       "temperature": 0.6, "top_p": 0.9}
                 fh.write(json.dumps(rec) + "\n")
     return {"signature_prompts": len(sigs), "prefix_prompts": len(prefixes)}
