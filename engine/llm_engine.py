@@ -63,6 +63,9 @@ class LLMEngine:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
         self.has_draft = draft_cfg is not None
+        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
+        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
+        self.draft_max_len = ModelConfig.from_pretrained(spec.model).max_model_len if spec is not None else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
             parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
@@ -166,7 +169,8 @@ class LLMEngine:
         if self.tree is None:
             return 0
         room = min(req.remaining_tokens, self.max_model_len - req.num_tokens)
-        return max(0, min(self.tree.depth, room - 1))
+        # Candidates sit at positions num_tokens .. num_tokens + depth - 1: all inside the draft's context.
+        return max(0, min(self.tree.depth, room - 1, self.draft_max_len - req.num_tokens))
 
     def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
         vocab = self.vocab_size

@@ -125,7 +125,9 @@ class Pipeliner:
         self._t_submit = time.perf_counter()
         msg = DraftStep(commits=self._take_commits())
         for r, tree in zip(batch.rounds, trees, strict=True):
-            if tree.num_nodes == 0 or r.remaining_tokens <= 2:
+            # Round r+1 starts at most num_nodes + 1 tokens further on; skip it if it may pass the draft's context.
+            if (tree.num_nodes == 0 or r.remaining_tokens <= 2
+                    or r.num_tokens + tree.num_nodes + 1 + eng.tree.depth > eng.draft_max_len):
                 continue
             # At least one in-flight token: re-feeding the last committed one is harmless (same KV).
             base = min(r.num_cached_draft, r.num_tokens - 1)

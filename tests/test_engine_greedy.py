@@ -227,3 +227,31 @@ def test_draft_with_a_smaller_vocabulary(small_vocab, branching: list[int]) -> N
                             params=SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert got == expected
     assert engine.stats.num_rounds > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_no_drafting_past_the_drafts_context(llama, llama_expected, tmp_path, pipeline: bool) -> None:
+    """A draft with a 20-token context (here the target itself, so every candidate is accepted) proposes only
+    at positions < 20; past that the request decodes plainly, and the output is unchanged."""
+    import json
+    import shutil
+
+    draft = tmp_path / "short_context_draft"
+    shutil.copytree(llama.target, draft)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["max_position_embeddings"] = 20
+    (draft / "config.json").write_text(json.dumps(cfg))
+    k = 3
+    got, engine = _generate(llama.target, {**spec(str(draft), k), "pipeline": pipeline})
+    assert got == llama_expected
+    rounds = accepted = 0
+    for prompt in PROMPTS:
+        t = 1  # output tokens so far; the first comes from the prefill
+        while t < MAX_TOKENS:
+            depth = max(0, min(k, MAX_TOKENS - t - 1, 20 - (len(prompt) + t)))
+            rounds += depth > 0
+            accepted += depth
+            t += depth + 1
+    s = engine.stats
+    assert (s.num_rounds, s.num_accepted) == (rounds, accepted), s.as_dict()
+    assert s.num_plain_rounds > 0
