@@ -1,7 +1,8 @@
 """The JSONL batch job behind ``specserve generate``: parse lines, run them all, write results in input order.
 
 A bad line (malformed JSON, an unknown field, a value out of range, a prompt too long) gets an error line of
-its own; every other request still completes.
+its own; every other request still completes. If the engine itself fails mid-job, the requests that finished
+are still written and the unfinished ones get an error line.
 """
 
 from __future__ import annotations
@@ -89,22 +90,32 @@ def run_batch(engine: LLMEngine, lines: list[str], out: IO[str], defaults: dict[
         bar = tqdm(total=len(key_of), desc="generate", unit="req", file=sys.stderr)
     start = time.perf_counter()
     generated = 0
-    while engine.has_unfinished:
-        for o in engine.step():
-            idx = key_of[o.request_id]
-            o.request_id = parsed[idx].request_id
-            results[idx] = output_line(o)
-            generated += len(o.token_ids)
-            if bar is not None:
-                bar.update(1)
+    failure: Exception | None = None
+    try:
+        while engine.has_unfinished:
+            for o in engine.step():
+                idx = key_of[o.request_id]
+                o.request_id = parsed[idx].request_id
+                results[idx] = output_line(o)
+                generated += len(o.token_ids)
+                if bar is not None:
+                    bar.update(1)
+    except Exception as e:
+        # The engine is dead (EngineDeadError from now on), but the requests that finished are kept: they
+        # are written with the others, and only the unfinished ones get an error line.
+        failure = e
     elapsed = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    for i in range(len(parsed)):
+    for i, p in enumerate(parsed):
+        if i not in results:
+            results[i] = {"id": p.request_id, "error": f"not finished: the engine failed ({type(failure).__name__}: "
+                                                      f"{failure})"}
         out.write(json.dumps(results[i]) + "\n")
     return {
         "requests": len(parsed),
-        "errors": sum(1 for p in parsed if p.error is not None),
+        "errors": sum(1 for r in results.values() if "error" in r),
+        **({"engine_error": f"{type(failure).__name__}: {failure}"} if failure is not None else {}),
         "generated_tokens": generated,
         "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(generated / elapsed, 2) if elapsed > 0 else None,

@@ -70,6 +70,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     print(json.dumps(summary), file=sys.stderr)
+    if "engine_error" in summary:
+        print(f"specserve: error: {summary['engine_error']} (finished requests were written to {args.output})",
+              file=sys.stderr)
+        return 1
     return 0
 
 

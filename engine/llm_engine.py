@@ -43,9 +43,15 @@ class RequestOutput:
     metrics: dict
 
 
+class EngineDeadError(RuntimeError):
+    """A step failed (a worker raised, died or timed out): worker KV state and the controller's counters may
+    disagree, so the engine refuses further work instead of producing wrong output. Create a new engine."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._dead: BaseException | None = None  # the failure that stopped this engine
         tcfg = ModelConfig.from_pretrained(config.target)
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
@@ -93,6 +99,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and queue; raises ValueError naming the field and the limit."""
+        self._check_alive()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
@@ -131,7 +138,21 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---------------------------------------------------------------------------------------------- the loop
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after a failed step ({type(self._dead).__name__}: "
+                                  f"{self._dead}); create a new engine") from self._dead
+
     def step(self) -> list[RequestOutput]:
+        """One round for every scheduled request; returns the requests that finished in it."""
+        self._check_alive()
+        try:
+            return self._step()
+        except BaseException as e:
+            self._dead = e
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         times = self.times
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()

@@ -46,3 +46,43 @@ def test_generate_on_the_builtin_pair_with_bad_lines(tmp_path: Path, capsys: pyt
 def test_generate_reports_a_missing_input_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o")]) == 2
     assert "nope.jsonl" in capsys.readouterr().err
+
+
+def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import LLM, SamplingParams
+    from engine.llm_engine import EngineDeadError
+    from workers.target_worker import TargetWorker
+
+    real_step = TargetWorker.step
+    calls = {"n": 0}
+
+    def failing_step(self, msg):  # the third target step fails, as a dying worker would
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step(self, msg)
+
+    monkeypatch.setattr(TargetWorker, "step", failing_step)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([json.dumps({"id": "short", "prompt": "def f():", "max_tokens": 1}),
+                              "{bad",
+                              json.dumps({"id": "long", "prompt": "def g():", "max_tokens": 64})]) + "\n")
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--no-progress"]) == 1
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["short", "1", "long"]
+    assert len(out[0]["token_ids"]) == 1 and "error" not in out[0]  # finished before the failure: kept
+    assert "malformed JSON" in out[1]["error"]
+    assert "not finished" in out[2]["error"] and "boom" in out[2]["error"]
+    err = capsys.readouterr().err
+    assert '"engine_error": "RuntimeError: boom"' in err and "specserve: error" in err
+
+    calls["n"] = 0
+    with LLM() as llm:
+        with pytest.raises(RuntimeError, match="boom"):
+            llm.generate(["def h():"], SamplingParams(max_tokens=32))
+        # Worker and controller state may now disagree: every later call says so instead of running on it.
+        with pytest.raises(EngineDeadError, match="boom"):
+            llm.generate(["def h():"], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            llm.engine.step()
