@@ -71,14 +71,15 @@ class LLMEngine:
         self.has_draft = draft_cfg is not None
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        self.draft_max_len = ModelConfig.from_pretrained(spec.model).max_model_len if spec is not None else 0
+        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
+        self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
             parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
         # Refuse a size that does not divide the heads before any worker is placed or loads weights.
         tcfg.check_tp(parallel.tensor_parallel_size)
-        if spec is not None:
-            ModelConfig.from_pretrained(spec.model).check_tp(parallel.draft_tensor_parallel_size)
+        if dcfg is not None:
+            dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
                                       draft_cfg)

@@ -36,6 +36,9 @@ GEN_FILE = "target_gen.npz"
 MAX_NEW_TOKENS = 128
 GEN_TEMPERATURES = (0.0, 0.8)
 SEED = 4321  # prompt choice, sampling seeds, batch order and held-out slice of the distillation stages
+# The settings the shipped draft was built with; the CLI and training.train_all both default to them.
+NUM_PROMPTS, CHUNK = 4096, 128
+STEPS, BATCH, CORPUS_EVERY, LR, EVAL_SEQS = 100000, 8, 4, 1.5e-3, 64
 
 
 def train_prompts(tokenizer_dir: str, n: int, seed: int) -> list[str]:
@@ -72,7 +75,8 @@ def load_sequences(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
     return seqs, z["prompt_lens"]
 
 
-def generate(models: Path, work: Path, num_prompts: int, minutes: float, chunk: int, seed: int) -> dict[str, object]:
+def generate(models: Path, work: Path, minutes: float, num_prompts: int = NUM_PROMPTS, chunk: int = CHUNK,
+             seed: int = SEED) -> dict[str, object]:
     """Target continuations with the engine (no speculation: only the target's law matters here)."""
     from engine import LLM, SamplingParams
 
@@ -131,8 +135,9 @@ def agreement(target: torch.nn.Module, draft: torch.nn.Module, seqs: list[np.nda
     return {"greedy_agreement": round(agree / count, 4), "sum_min_pq": round(overlap / count, 4)}
 
 
-def distill(models: Path, work: Path, out: Path, minutes: float, steps: int, batch: int, corpus_every: int,
-            lr: float, seed: int, eval_seqs: int) -> dict[str, object]:
+def distill(models: Path, work: Path, out: Path, minutes: float, steps: int = STEPS, batch: int = BATCH,
+            corpus_every: int = CORPUS_EVERY, lr: float = LR, seed: int = SEED,
+            eval_seqs: int = EVAL_SEQS) -> dict[str, object]:
     from transformers import LlamaForCausalLM
 
     from training.train import make_optimizer, sample_batch, save_fp16
@@ -205,13 +210,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="where the distilled draft/ goes (default: --models)")
     ap.add_argument("--work", type=Path, default=Path("runs/default_models_work"))
     ap.add_argument("--minutes", type=float, default=15.0)
-    ap.add_argument("--num-prompts", type=int, default=4096)
-    ap.add_argument("--chunk", type=int, default=64, help="gen: prompts per engine call")
-    ap.add_argument("--steps", type=int, default=100000)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--corpus-every", type=int, default=4, help="every Nth step is a corpus batch (0: never)")
-    ap.add_argument("--lr", type=float, default=1.5e-3)
-    ap.add_argument("--eval-seqs", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="gen: prompts per engine call")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--batch-size", type=int, default=BATCH)
+    ap.add_argument("--corpus-every", type=int, default=CORPUS_EVERY,
+                    help="every Nth step is a corpus batch (0: never)")
+    ap.add_argument("--lr", type=float, default=LR)
+    ap.add_argument("--eval-seqs", type=int, default=EVAL_SEQS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args()
@@ -220,7 +226,7 @@ def main() -> None:
     log_path = args.work / "distill_log.json"
     log: dict[str, object] = json.loads(log_path.read_text()) if log_path.exists() else {}
     if args.stage == "gen":
-        log["gen"] = generate(args.models, args.work, args.num_prompts, args.minutes, args.chunk, args.seed)
+        log["gen"] = generate(args.models, args.work, args.minutes, args.num_prompts, args.chunk, args.seed)
     else:
         log["distill"] = distill(args.models, args.work, args.out or args.models, args.minutes, args.steps,
                                  args.batch_size, args.corpus_every, args.lr, args.seed, args.eval_seqs)

@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
                    help="continue from a previous pair (a dir with target/ and draft/), with a fresh schedule")
     p.add_argument("--gen-minutes", type=float, default=18.0,
                    help="gen stage: time for the target to write continuations of training-file prompts")
-    p.add_argument("--distill-minutes", type=float, default=60.0, help="distill stage: draft-only training time")
+    p.add_argument("--distill-minutes", type=float, default=70.0, help="distill stage: draft-only training time")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens used for loss/agreement")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
@@ -116,13 +116,11 @@ def main() -> None:
         from training import distill as distill_mod
 
         if "gen" in stages:
-            n, minutes = (8, 1.0) if args.quick else (4096, args.gen_minutes)
-            log["gen"] = distill_mod.generate(out, work, n, minutes, chunk=4 if args.quick else 128,
-                                              seed=distill_mod.SEED)
+            log["gen"] = (distill_mod.generate(out, work, 1.0, num_prompts=8, chunk=4) if args.quick
+                          else distill_mod.generate(out, work, args.gen_minutes))
         if "distill" in stages:
-            steps, minutes, ev = (3, 1.0, 2) if args.quick else (100000, args.distill_minutes, 64)
-            log["distill"] = distill_mod.distill(out, work, out, minutes, steps, batch=2 if args.quick else 8,
-                                                 corpus_every=4, lr=1.5e-3, seed=distill_mod.SEED, eval_seqs=ev)
+            log["distill"] = (distill_mod.distill(out, work, out, 1.0, steps=3, batch=2, eval_seqs=2) if args.quick
+                              else distill_mod.distill(out, work, out, args.distill_minutes))
         log_path.write_text(json.dumps(log, indent=2))
 
     if "eval" in stages:
