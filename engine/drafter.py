@@ -69,13 +69,14 @@ class DraftCalls:
         self.executor.submit_draft(msg)
 
     def wait(self) -> DraftStepOutput:
-        out = self.executor.wait_draft()
-        self.times.draft_s += out.elapsed_s
-        return out
+        return self.executor.wait_draft()
 
     def run(self, msg: DraftStep) -> DraftStepOutput:
+        """A call the controller waits for: its worker time counts as the step's draft time."""
         self.submit(msg)
-        return self.wait()
+        out = self.wait()
+        self.times.draft_s += out.elapsed_s
+        return out
 
     def prefills(self, batch: ScheduledBatch) -> list[PrefillSeq]:
         """The batch's prompt chunks, cached by the draft too (no logits)."""

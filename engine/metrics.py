@@ -37,6 +37,18 @@ class StepTimes:
         return StepClock(self, time.perf_counter())
 
 
+    @property
+    def messaging_s(self) -> float:
+        return max(0.0, self.draft_wall_s - self.draft_s) + max(0.0, self.verify_wall_s - self.verify_s)
+
+    def as_dict(self) -> dict:
+        keys = ("steps", "schedule_s", "draft_wall_s", "draft_s", "verify_wall_s", "verify_s", "commit_s",
+                "collect_s")
+        out = {k: round(getattr(self, k), 4) for k in keys}
+        out["messaging_s"] = round(self.messaging_s, 4)
+        return out
+
+
 @dataclass
 class StepClock:
     times: StepTimes
@@ -49,14 +61,3 @@ class StepClock:
         for k, v in worker_s.items():  # the workers' own time of the part just timed
             setattr(t, k, getattr(t, k) + v)
         self.last = now
-
-    @property
-    def messaging_s(self) -> float:
-        return max(0.0, self.draft_wall_s - self.draft_s) + max(0.0, self.verify_wall_s - self.verify_s)
-
-    def as_dict(self) -> dict:
-        keys = ("steps", "schedule_s", "draft_wall_s", "draft_s", "verify_wall_s", "verify_s", "commit_s",
-                "collect_s")
-        out = {k: round(getattr(self, k), 4) for k in keys}
-        out["messaging_s"] = round(self.messaging_s, 4)
-        return out

@@ -147,3 +147,78 @@ def test_prune_keeps_shallow_nodes_as_a_prefix():
     p = prune(t, 2)
     assert p.tokens == [1, 2, 3, 4] and p.parents == [-1, -1, 0, 1] and p.tree_id == 7  # its laws: rows 0..3
     assert prune(t, 3) is t
+
+
+# ------------------------------------------------------------------------------------------ negative controls
+def _pipelined_pair_pvalue(target: str, draft: str, n: int) -> tuple[float, LLM]:
+    """test_distribution_with_pipelining's sampling and chi-square, as one function of the engine's code."""
+    prompt, temperature = [1, 5, 7], 1.0
+    exact = _exact_law(target, prompt, temperature).flatten()  # [V * V]
+    llm = LLM(target, speculative_config={**spec(draft, branching=[2, 1]), "pipeline": True}, max_num_seqs=512)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    vocab = int(exact.numel() ** 0.5)
+    counts = torch.zeros(vocab * vocab)
+    for o in outs:
+        counts[o.token_ids[1] * vocab + o.token_ids[2]] += 1
+    expected = exact * n
+    order = torch.argsort(expected, descending=True)
+    keep, rest = order[expected[order] >= 5], order[expected[order] < 5]
+    obs = torch.cat([counts[keep], counts[rest].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[rest].sum().view(1)])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue, llm
+
+
+def test_distribution_test_catches_a_wrong_law_with_pipelining(small_vocab, monkeypatch):
+    """The chi-square test above, pipelining on, with every tree verified against a law other than the one its
+    candidates were drawn from (q^(1/2): the draft at twice its temperature), must fail.
+
+    Only a few of its (t2, t3) samples come from pre-drafted trees (hits are rare on these random models at
+    T = 1), so this shows the harness's power on the pipelined engine, not on the hit path alone; the hit path
+    is held to the law by construction (a hit tree is the tree a re-draft would give: the seeded identity
+    tests) and by the cache check with pipelining on (tests/test_cache_bookkeeping.py).
+    """
+    import workers.draft_worker as draft_worker
+
+    target, draft = small_vocab
+    real = draft_worker.draw_children
+
+    def flatter_q(q, k, mode, generator):
+        tokens, laws = real(q, k, mode, generator)
+        wrong = laws.sqrt()  # the draws still come from q
+        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
+
+    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    p_value, llm = _pipelined_pair_pvalue(target, draft, 1500)
+    assert llm.engine.pipeline.stats.hits > 0
+    assert p_value < 1e-6, f"a wrong q went unnoticed with pipelining on (p = {p_value:.2e})"
+
+
+def test_a_broken_prefix_match_is_caught(llama, monkeypatch):
+    """Using a pre-drafted tree whose predicted prefix is not the real one (here: the first anchor's tree
+    whenever no prediction came true) changes seeded outputs, which the seeded identity test above catches.
+
+    It is not a distribution error, and no distribution test can see it: the tree's candidates were drawn from
+    the laws the verifier is given, and a proposal that does not depend on the verifier's draws is verified
+    exactly whatever prefix it was drafted for (it only accepts less).
+    """
+    import engine.pipelined_drafter as pd
+
+    real_match = pd.match_prediction
+
+    def sloppy(chain, res, real):
+        m = real_match(chain, res, real)
+        if m.tree is None and res.trees:
+            m.tree = res.trees[0]
+        return m
+
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=11, ignore_eos=True)
+    cfg = spec(llama.perturbed, branching=[2, 1, 1], sampling="iid")
+    off, _ = _run(llama.target, cfg, params)
+    on, _ = _run(llama.target, {**cfg, "pipeline": True}, params)
+    assert on == off
+    monkeypatch.setattr(pd, "match_prediction", sloppy)
+    broken, eng = _run(llama.target, {**cfg, "pipeline": True}, params)
+    assert eng.pipeline.stats.hits == eng.pipeline.stats.predrafted  # every round took a pre-drafted tree
+    assert broken != off
