@@ -71,7 +71,6 @@ class LLMEngine:
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
-        self.has_draft = draft_cfg is not None
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
         dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None

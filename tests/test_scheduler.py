@@ -316,3 +316,29 @@ def test_random_workload_finishes_everything_without_leaks() -> None:
         if sched.draft_blocks is not None:
             assert sched.draft_blocks.num_free == sched.draft_blocks.num_blocks
     assert total_preempted > 0, "the pools were meant to be tight enough to preempt"
+
+
+def test_policy_depth_and_exact_reservation() -> None:
+    """The scheduler sets each round's depth (remaining tokens, contexts) and reserves exactly the nodes of the
+    tree cut to that depth; update_from_output moves the counters."""
+    from scheduler.spec_policy import SpecPolicy, TreeShape
+
+    policy = SpecPolicy(TreeShape((2, 2, 1)), max_model_len=64, draft_max_len=12)
+    assert [policy.num_nodes(d) for d in range(4)] == [0, 2, 6, 10]
+    assert policy.depth(num_tokens=5, remaining_tokens=10) == 3
+    assert policy.depth(num_tokens=5, remaining_tokens=3) == 2  # one token is the recovered/bonus one
+    assert policy.depth(num_tokens=10, remaining_tokens=10) == 2  # candidates stay inside the draft's context
+    assert policy.depth(num_tokens=63, remaining_tokens=10) == 0  # the target's context is full
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=1)
+    sched = Scheduler(cfg, BlockManager(64, 1), BlockManager(64, 1), 10, policy=policy)
+    a = make_req(0, 4, max_tokens=4)
+    sched.add(a)
+    play(sched, sched.schedule())  # prefill: 4 committed, the first token in flight
+    assert (a.num_cached_target, a.num_cached_draft, a.num_tokens) == (4, 4, 5)
+    batch = sched.schedule()
+    assert batch.rounds == [a] and batch.depths == [2]  # 3 tokens left: 2 candidates + 1
+    assert len(sched.target_blocks.tables[0]) == 5 + 6  # every token so far + the depth-2 tree's 6 nodes
+    sched.update_from_output(batch, [VerifyResult([1], [9, 9], 1, False)], [6], {0: 6})
+    assert (a.num_cached_target, a.num_cached_draft) == (6, 6)  # in-flight token + 1 accepted node
+    assert len(sched.target_blocks.tables[0]) == 6  # the target's scratch is given back at once
+    assert (a.stats.num_rounds, a.stats.num_drafted, a.stats.num_accepted, a.stats.num_bonus) == (1, 6, 1, 0)
