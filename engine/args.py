@@ -26,19 +26,24 @@ _NO_SPECULATION = ("none", "null", "")
 
 
 def _arg(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
-         flags: tuple[str, ...] = ()) -> Any:
+         flags: tuple[str, ...] = (), metavar: str | None = None) -> Any:
     """A field with its CLI spelling: ``flags`` (default ``--field-name``), ``type`` and ``choices``."""
-    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "flags": flags})
+    if metavar is None and choices is None:
+        metavar = {int: "N", float: "SECONDS"}.get(type)
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "flags": flags,
+                                            "metavar": metavar})
 
 
 @dataclass
 class EngineArgs:
-    target: str | None = _arg(None, "target model directory (Hugging Face format); default: the built-in pair")
+    target: str | None = _arg(None, "target model directory (Hugging Face format); default: the built-in pair",
+                              metavar="DIR")
     speculative_config: str | dict | SpeculativeConfig | None = _arg(
         None, 'JSON, e.g. \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; tree keys: '
               "tree_branching, tree_sampling, max_tree_nodes; pipelining: pipeline, pipeline_width. With no "
-              "--target, the built-in draft is used (also when the JSON has no 'model') unless this is 'none'")
-    tokenizer: str | None = _arg(None, "tokenizer directory (default: the target's)")
+              "--target, the built-in draft is used (also when the JSON has no 'model') unless this is 'none'",
+        metavar="JSON")
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the target's)", metavar="DIR")
     dtype: str | None = _arg(None, "float32, float16 or bfloat16 (default: the checkpoint's; float32 for "
                                    "half-precision checkpoints on CPU)")
     device: str = _arg(EngineConfig.device, "torch device of the workers")
@@ -67,12 +72,14 @@ class EngineArgs:
         for f in fields(EngineArgs):
             m = f.metadata
             flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
-            parser.add_argument(*flags, dest=f.name, type=m["type"], choices=m["choices"], default=f.default,
+            parser.add_argument(*flags, dest=f.name, type=m["type"], choices=m["choices"], metavar=m["metavar"],
+                                default=f.default,
                                 help=m["help"] + ("" if f.default is None else " (default: %(default)s)"))
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields from a namespace parsed with ``add_cli_args`` (other attributes are ignored)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def to_engine_config(self) -> EngineConfig:

@@ -52,7 +52,8 @@ class LLM:
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
         """Deltas of a batch as the steps produce them; request ids are the prompts' positions ("0", "1", ...).
 
-        Closing the generator early aborts the batch's unfinished requests (their KV is freed).
+        The requests are queued when iteration starts (a refused prompt raises there, and queues nothing);
+        closing the generator early aborts the batch's unfinished requests (their KV is freed).
         """
         ids = self._add_all(prompts, params)
         done: set[str] = set()
