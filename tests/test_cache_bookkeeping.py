@@ -68,7 +68,7 @@ def check_cache(worker, tables: dict[int, list[int]], requests, which: str) -> i
     return checked
 
 
-@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees"])
+@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees", "tree-pipelined"])
 def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     if case == "tree-chunked":
         speculative = spec(llama.perturbed, None, [2, 2, 1])
@@ -78,6 +78,12 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
         speculative = spec(llama.perturbed, 4)
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=4, num_kv_tokens=96)
+    elif case == "tree-pipelined":
+        # The draft keeps the KV of the longest predicted prefix that came true: its commits follow the
+        # pre-draft's scratch layout (in-flight chain, prediction nodes), not a verified tree's.
+        speculative = {**spec(llama.perturbed, None, [2, 2, 1]), "pipeline": True}
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12)
+        cache = CacheConfig(block_size=4)
     else:
         # Without replacement under top-k / top-p, a node often has fewer children than the shape allows: the
         # trees come out irregular, and so do the scratch layouts the commits must follow.
