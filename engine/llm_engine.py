@@ -13,13 +13,13 @@ import dataclasses
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
 
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.executor import make_executor
 from engine.metrics import SpecDecodingStats, StepTimes
+from engine.outputs import RequestDelta, RequestOutput
 from engine.pipelined_drafter import PipelinedDrafter
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
@@ -33,17 +33,6 @@ from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 
 _MAX_AUTO_KV_TOKENS = 1 << 17
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    finished: bool
-    metrics: dict
 
 
 class EngineDeadError(RuntimeError):
@@ -104,7 +93,11 @@ class LLMEngine:
             else:
                 self.drafter = SequentialDrafter(calls, self.tree.branching)
         self._seq_ids = itertools.count()
-        self._stop: dict[int, StopChecker] = {}
+        self._stop: dict[int, StopChecker] = {}  # seq_id -> stop checks and detokenizer
+        self._requests: dict[str, Request] = {}  # unfinished requests by the user's id (for abort)
+        self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
+        self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
+        self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
 
     # ----------------------------------------------------------------------------------------------- requests
@@ -122,10 +115,13 @@ class LLMEngine:
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
-        req = Request(next(self._seq_ids), str(request_id), token_ids, params)
+        req = Request(next(self._seq_ids), request_id, token_ids, params)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -133,12 +129,25 @@ class LLMEngine:
         checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
+        self._requests[request_id] = req
         return req
 
     def withdraw_queued(self, req: Request) -> None:
-        """Take back a request that ``add_request`` queued and no step has scheduled yet."""
+        """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""
         self.scheduler.waiting.remove(req)
         self._stop.pop(req.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        self._aborts.pop(req.request_id, None)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a queued or running request with reason "abort" at the start of the next step, which frees
+        its KV and returns its last delta. False when no unfinished request has this id. Like every engine
+        call, from the thread that steps the engine."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            return False
+        self._aborts[req.request_id] = req
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -154,16 +163,31 @@ class LLMEngine:
             raise EngineDeadError(f"the engine stopped after a failed step ({type(self._dead).__name__}: "
                                   f"{self._dead}); create a new engine") from self._dead
 
-    def step(self) -> list[RequestOutput]:
-        """One round for every scheduled request; returns the requests that finished in it."""
+    @property
+    def is_alive(self) -> bool:
+        """False once a step failed (every later call raises EngineDeadError)."""
+        return self._dead is None
+
+    def step(self) -> list[RequestDelta]:
+        """One round for every scheduled request; a delta for each request that got tokens or finished
+        (aborted ones included)."""
         self._check_alive()
+        self._finished_outputs = []
         try:
-            return self._step()
+            self._apply_aborts()
+            if self.scheduler.has_unfinished:
+                self._step()
+            return self._take_deltas()
         except BaseException as e:
             self._dead = e
             raise
 
-    def _step(self) -> list[RequestOutput]:
+    def step_finished(self) -> list[RequestOutput]:
+        """One step; the requests that finished in it, whole (for callers that do not stream)."""
+        self.step()
+        return self._finished_outputs
+
+    def _step(self) -> None:
         clock = self.times.clock()
         batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
@@ -180,9 +204,8 @@ class LLMEngine:
         self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
         for n, res in zip(drafted, out.results, strict=True):
             self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
-        finished = self._emit_step(batch, out)  # emit
+        self._emit_step(batch, out)  # emit
         clock.lap("commit_s")
-        return [self._output(r) for r in finished]
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables
@@ -197,25 +220,26 @@ class LLMEngine:
                                       -1 if r.params.greedy else t.tree_id))
         return msg
 
-    def _emit_step(self, batch: ScheduledBatch, out: TargetStepOutput) -> list[Request]:
-        """Every token the step produced, through ``_emit``; returns the requests that finished."""
-        finished = []
+    def _emit_step(self, batch: ScheduledBatch, out: TargetStepOutput) -> None:
+        """Every token the step produced, through ``_emit``."""
         for c in batch.prefills:
             tok = out.first_tokens.get(c.req.seq_id)
-            if tok is not None and self._emit(c.req, [tok]):
-                finished.append(c.req)
+            if tok is not None:
+                self._emit(c.req, [tok])
         for req, res in zip(batch.rounds, out.results, strict=True):
-            if self._emit(req, res.tokens):
-                finished.append(req)
-        return finished
+            self._emit(req, res.tokens)
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append what the round produced, up to a stop; True when the request is finished."""
+        """Append what the round produced, up to a stop; True when the request is finished.
+
+        The one place where tokens join a request and a finished request is finalised: the step's deltas are
+        recorded here (and in ``_apply_aborts``)."""
         checker = self._stop[req.seq_id]
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()
-        kept, stopped = checker.truncate(req.output_token_ids, tokens, req.remaining_tokens)
+        kept, stopped = checker.truncate(tokens, req.remaining_tokens)
         req.output_token_ids += kept
+        self._emitted.setdefault(req.seq_id, (req, []))[1].extend(kept)
         reason = None
         if stopped:
             reason = FinishReason.STOP
@@ -223,20 +247,46 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is None:
             return False
-        self.scheduler.finish(req, reason)
-        self._finished_ids.append(req.seq_id)
+        self._finish(req, reason)
         return True
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Free its KV; the workers drop its state with the next step's messages."""
+        self.scheduler.finish(req, reason)
+        req.stats.finish_time = time.monotonic()
+        self._finished_ids.append(req.seq_id)
+        self._emitted.setdefault(req.seq_id, (req, []))
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for req in aborts.values():
+            if not req.finished:
+                self._finish(req, FinishReason.ABORT)
+
+    def _take_deltas(self) -> list[RequestDelta]:
+        """This step's deltas, in the order requests got tokens; finished requests leave the engine here."""
+        emitted, self._emitted = self._emitted, {}
+        deltas = []
+        for req, new in emitted.values():
+            checker = self._stop[req.seq_id]
+            deltas.append(RequestDelta(
+                req.request_id, new, checker.take_text(req.finished), req.finished,
+                req.finish_reason.value if req.finished and req.finish_reason else None,
+                len(req.prompt_token_ids), len(req.output_token_ids),
+                req.stats.as_dict() if req.finished else None))
+            if req.finished:
+                self._finished_outputs.append(self._output(req))
+                del self._stop[req.seq_id]
+                self._requests.pop(req.request_id, None)
+        return deltas
 
     def _take_finished(self) -> list[int]:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
     def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self._stop[req.seq_id].final_text(req.output_token_ids)
-        self._stop.pop(req.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
-                             req.finish_reason.value if req.finish_reason else None, req.finished, req.stats.as_dict())
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             self._stop[req.seq_id].text, req.finish_reason.value if req.finish_reason else None,
+                             req.finished, req.stats.as_dict())
 
 

@@ -36,10 +36,9 @@ class RoundResult(Protocol):
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running set
     max_num_batched_tokens: int = 2048  # prefill chunk tokens + tree nodes per step
-    block_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -210,6 +209,8 @@ class Scheduler:
         self._release(req)
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # aborted before it ran (or while preempted)
+            self.waiting.remove(req)
 
     def update_from_output(self, batch: ScheduledBatch, results: Sequence[RoundResult], num_drafted: Sequence[int],
                            num_cached_draft: Mapping[int, int]) -> None:
