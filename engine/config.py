@@ -43,6 +43,7 @@ class SpeculativeConfig:
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
+    - ``quantization``: a GGUF draft's weights: "gguf" (packed 4-bit) or "none"; default: by the file;
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipeline.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
@@ -57,8 +58,12 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1  # independent of the target's
     pipeline: bool = False
     pipeline_width: int = 2
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"speculative_config.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
         if not isinstance(self.model, str) or not self.model:

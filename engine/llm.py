@@ -25,14 +25,15 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, num_kv_tokens: int | None = None, tensor_parallel_size: int = 1,
                  address: str | None = None, distributed_executor_backend: str | None = None,
-                 transport: str = "zmq", placement_timeout_s: float = 60.0) -> None:
+                 transport: str = "zmq", placement_timeout_s: float = 60.0,
+                 quantization: str | None = None) -> None:
         if target is None:
             target, draft = default_model_dirs()
             if speculative_config is None:
                 speculative_config = {"method": "draft_model", "model": draft}
         self.engine = LLMEngine(EngineConfig(
             target=target, speculative=SpeculativeConfig.parse(speculative_config), tokenizer=tokenizer,
-            dtype=dtype, device=device, max_model_len=max_model_len,
+            dtype=dtype, device=device, max_model_len=max_model_len, quantization=quantization,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       block_size=block_size),
             cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens),

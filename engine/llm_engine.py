@@ -67,6 +67,7 @@ class LLMEngine:
         draft_cfg = None
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
+                                     quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
         self.has_draft = draft_cfg is not None
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like

@@ -223,6 +223,11 @@ def iter_gguf_weights(path: str | os.PathLike[str], config: ModelConfig) -> list
     return out
 
 
+def has_gguf_tokenizer(path: str | os.PathLike[str]) -> bool:
+    return "tokenizer.ggml.tokens" in gguf_reader(path).fields
+
+
+@functools.lru_cache(maxsize=4)
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Any:
     """transformers' tokenizer built from the file's vocabulary, merges and chat template."""
     from transformers import AutoTokenizer

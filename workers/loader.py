@@ -121,7 +121,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
     if gguf_loader.is_gguf(path):
-        return True
+        return gguf_loader.has_gguf_tokenizer(path)
     return any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES)
 
 
@@ -129,7 +129,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's tokenizer (transformers AutoTokenizer, local files only), or None when it has none."""
     path = os.fspath(path)
     if gguf_loader.is_gguf(path):
-        return gguf_loader.load_gguf_tokenizer(path)
+        return gguf_loader.load_gguf_tokenizer(path) if gguf_loader.has_gguf_tokenizer(path) else None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     if not has_tokenizer(path):
