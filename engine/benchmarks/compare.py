@@ -7,6 +7,8 @@ batch size it prints output tokens/s, mean acceptance length, ratios, and where 
 the cycle-cost model: time per token = (draft + verify + commit per round) / tokens per round.
 
     python -m engine.benchmarks.compare --json runs/compare.json
+    python -m engine.benchmarks.compare --target smollm2 --quantization none --draft smollm2 \
+        --draft-quantization gguf --batches 1 --temperatures 0      # a GGUF target, its own 4-bit copy drafting
 """
 
 from __future__ import annotations
@@ -55,12 +57,20 @@ def _batches(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
     return [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
 
 
-def run_hf(target: str, draft: str | None, prompts: list[list[int]], batch: int, temperature: float,
-           max_tokens: int, pad_id: int) -> Result:
+def _hf_model(path: str) -> Any:
+    """transformers' float32 model of a checkpoint directory or a GGUF file (dequantized by transformers)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval() if draft else None
+    if path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_hf(target: str, draft: str | None, prompts: list[list[int]], batch: int, temperature: float,
+           max_tokens: int, pad_id: int) -> Result:
+    model = _hf_model(target)
+    assistant = _hf_model(draft) if draft else None
     kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "pad_token_id": pad_id}
     if temperature > 0:
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -84,10 +94,11 @@ def run_hf(target: str, draft: str | None, prompts: list[list[int]], batch: int,
 
 
 def run_engine(mode: str, target: str, spec: dict | None, prompts: list[list[int]], batch: int,
-               temperature: float, max_tokens: int, backend: str | None) -> Result:
+               temperature: float, max_tokens: int, backend: str | None, quantization: str | None = None) -> Result:
     from engine import LLM, SamplingParams
 
-    llm = LLM(target, speculative_config=spec, distributed_executor_backend=backend, max_num_seqs=max(batch, 8))
+    llm = LLM(target, speculative_config=spec, distributed_executor_backend=backend, max_num_seqs=max(batch, 8),
+              quantization=quantization)
     try:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True))  # warm-up
         eng = llm.engine
@@ -138,12 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process")
     ap.add_argument("--backend", choices=["uni", "ray"], default=None)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quantization", choices=["gguf", "none"], default=None, help="GGUF target's weights")
+    ap.add_argument("--draft-quantization", choices=["gguf", "none"], default=None, help="GGUF draft's weights")
     ap.add_argument("--json", default=None, help="write every result here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
         args.target, args.draft = args.target or t, args.draft or d
+    from workers.gguf_loader import resolve_model_path
+
+    args.target, args.draft = resolve_model_path(args.target), resolve_model_path(args.draft)
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 
@@ -151,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts, tok)
     pad = ModelConfig.from_pretrained(args.target).eos_token_ids[0]
     tree = [int(x) for x in args.tree.split(",")]
-    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
+             "quantization": args.draft_quantization}
     modes = [("specserve_nospec", None), ("specserve_chain", chain),
              ("specserve_tree", {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree}),
              ("specserve_pipelined", {**chain, "pipeline": True})]
@@ -164,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(run_hf(args.target, args.draft, prompts, batch, temp, args.max_tokens, pad))
             for name, spec in modes:
                 results.append(run_engine(name, args.target, spec, prompts, batch, temp, args.max_tokens,
-                                          args.backend))
+                                          args.backend, args.quantization))
                 r = results[-1]
                 print(f"  T={temp} batch={batch} {name}: {r.tok_s:.1f} tok/s", flush=True)
     report(results)
