@@ -199,12 +199,12 @@ class EngineConfig:
         # error naming the install command.
         self.target = resolve_model_path(self.target)
         if not _is_model(self.target):
-            raise ValueError(f"target model {self.target!r} is neither a checkpoint directory nor a *.gguf file")
+            raise ValueError(f"target model directory {self.target!r} does not exist (nor is it a *.gguf file)")
         if self.speculative is not None:
             self.speculative.model = resolve_model_path(self.speculative.model)
             if not _is_model(self.speculative.model):
-                raise ValueError(f"speculative_config.model {self.speculative.model!r} is neither a checkpoint "
-                                 "directory nor a *.gguf file")
+                raise ValueError(f"speculative_config.model directory {self.speculative.model!r} does not exist "
+                                 "(nor is it a *.gguf file)")
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and not is_gguf(self.target):
