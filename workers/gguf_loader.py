@@ -177,11 +177,26 @@ class GGUFSource:
         if not isinstance(rows, slice) or rows.step not in (None, 1):
             raise TypeError(f"GGUFSource supports contiguous slices only, got {index!r}")
         start, stop, _ = rows.indices(self.shape[0])
-        values = dequantize(self.raw_rows(start, stop - start), self.qtype)  # float32, [rows, in] or [rows]
-        values = values.reshape((stop - start,) + self.shape[1:])
-        if len(index) > 1:
-            values = values[(slice(None),) + index[1:]]
+        raw = self.raw_rows(start, stop - start)
+        cols = index[1] if len(index) > 1 else slice(None)
+        if len(self.shape) == 2 and isinstance(cols, slice) and cols != slice(None):
+            raw, cols = self._column_blocks(raw, cols)  # a row-parallel rank: only its own blocks of each row
+        values = dequantize(raw, self.qtype)  # float32, [rows, in] or [rows]
+        values = values.reshape((stop - start, -1) if len(self.shape) == 2 else (stop - start,))
+        if len(self.shape) == 2:
+            values = values[:, cols]
         return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is mapped read-only
+
+    def _column_blocks(self, raw: np.ndarray, cols: slice) -> tuple[np.ndarray, slice]:
+        """(the bytes of the whole quantization blocks covering ``cols``, ``cols`` relative to them)."""
+        from gguf import GGML_QUANT_SIZES
+
+        start, stop, step = cols.indices(self.shape[1])
+        block, block_bytes = GGML_QUANT_SIZES[self.qtype]
+        if step != 1 or raw.shape[1] * block != self.shape[1] * block_bytes:  # not a whole-row byte layout
+            return raw, cols
+        first, last = start // block, -(-stop // block)
+        return raw[:, first * block_bytes:last * block_bytes], slice(start - first * block, stop - first * block)
 
 
 def _unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
