@@ -128,3 +128,18 @@ def test_three_ray_ranks_greedy_equals_transformers(smol, prompts, expected) -> 
                 llm.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_cli_generate_on_the_short_name(smol, tmp_path) -> None:
+    """`specserve generate --target smollm2` as the README writes it: text in, text out, 4-bit by default."""
+    import json
+
+    from engine.cli import main
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "q", "prompt": "The capital of France is", "max_tokens": 4,
+                               "temperature": 0.0, "ignore_eos": True}) + "\n")
+    assert main(["generate", "--target", "smollm2", "--speculative-config", "none", "--num-kv-tokens", "256",
+                 "--input", str(src), "--output", str(dst), "--no-progress"]) == 0
+    out = json.loads(dst.read_text())
+    assert len(out["token_ids"]) == 4 and out["text"].strip()
