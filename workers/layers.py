@@ -13,6 +13,10 @@ Splits (Megatron style):
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocabulary rows split into equal ranges (the last rank
   zero-padded); lookups are all-reduced, logits all-gathered.
 
+``source_region(shard_id)`` says which part of a full tensor a rank holds and where it goes; the weight loaders
+use it, and so does workers/quantized_linear.py, which cuts a rank's packed 4-bit blocks the same way and sets
+the layer's ``quant`` (a weight-only quantized matmul used instead of ``weight``, which is then dropped).
+
 With a size-1 group each layer is a plain ``F.linear`` / ``F.embedding``: no masks, no collectives.
 Parameters are created uninitialised (``torch.empty``): they are always overwritten by a checkpoint.
 """
@@ -188,7 +192,6 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, self.in_per_rank, dtype=dtype)  # [out, in / tp]
         self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
         self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
-        self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
