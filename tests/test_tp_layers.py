@@ -139,12 +139,13 @@ def run_logits(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tp_worker(rank: int, size: int, port: int, ckpt: str, config: ModelConfig, out_dir: str) -> None:
+def _tp_worker(rank: int, size: int, port: int, ckpt: str, config: ModelConfig, out_dir: str,
+               quantization: str | None = None) -> None:
     torch.set_num_threads(1)  # several ranks share the test machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         # The config read by the parent spares each rank importing transformers (seconds per process).
-        model = load_model(ckpt, tp=TPGroup.from_process_group(), config=config)
+        model = load_model(ckpt, tp=TPGroup.from_process_group(), config=config, quantization=quantization)
         torch.save(run_logits(model), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

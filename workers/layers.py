@@ -13,6 +13,10 @@ Splits (Megatron style):
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocabulary rows split into equal ranges (the last rank
   zero-padded); lookups are all-reduced, logits all-gathered.
 
+``source_region(shard_id)`` says which part of a full tensor a rank holds and where it goes; the weight loaders
+use it, and so does workers/quantized_linear.py, which cuts a rank's packed 4-bit blocks the same way and sets
+the layer's ``quant`` (a weight-only quantized matmul used instead of ``weight``, which is then dropped).
+
 With a size-1 group each layer is a plain ``F.linear`` / ``F.embedding``: no masks, no collectives.
 Parameters are created uninitialised (``torch.empty``): they are always overwritten by a checkpoint.
 """
@@ -104,13 +108,24 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = divide(out_features, self.tp.size, "out_features")
         self.weight = _param(self.out_per_rank, in_features, dtype=dtype)  # [out / tp, in]
         self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
+        self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)  # [T, out / tp]
+            return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)  # [T, out / tp]
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """Where this rank's part of checkpoint tensor ``shard_id`` comes from and goes: (first row of our
+        weight it fills, dim of the full tensor it is cut along, start, length)."""
         n = self.out_per_rank
-        _copy_into(param.data, read_narrow(src, 0, self.tp.rank * n, n), "column-parallel weight")
+        return 0, 0, self.tp.rank * n, n
+
+    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+        offset, dim, start, n = self.source_region(shard_id)  # a bias is cut like its weight's rows
+        what = "column-parallel" if shard_id is None else f"part {shard_id} of a merged"
+        _copy_into(param.data.narrow(0, offset, n), read_narrow(src, dim, start, n), f"{what} weight")
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -124,13 +139,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias, tp, dtype)
         self.part_sizes = [divide(s, self.tp.size, "output size") for s in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         if shard_id is None:
             raise ValueError("MergedColumnParallelLinear needs the part index as shard_id")
         n = self.part_sizes[shard_id]
-        offset = sum(self.part_sizes[:shard_id])
-        _copy_into(param.data.narrow(0, offset, n), read_narrow(src, 0, self.tp.rank * n, n),
-                   f"merged part {shard_id}")
+        return sum(self.part_sizes[:shard_id]), 0, self.tp.rank * n, n
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -159,15 +172,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         # The parent's divisibility check is on the per-rank total, so hand it the per-rank size times tp.
         super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp.size, bias, tp, dtype)
 
-    def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
+    def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp.rank * self.q_size
-        elif shard_id in ("k", "v"):
+            return 0, 0, self.tp.rank * self.q_size, self.q_size
+        if shard_id in ("k", "v"):
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, start = self.kv_size, self.kv_head_start * self.head_dim
-        else:
-            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        _copy_into(param.data.narrow(0, offset, size), read_narrow(src, 0, start, size), f"{shard_id}_proj")
+            return offset, 0, self.kv_head_start * self.head_dim, self.kv_size
+        raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
 
 
 class RowParallelLinear(nn.Module):
@@ -180,19 +191,30 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = divide(in_features, self.tp.size, "in_features")
         self.weight = _param(out_features, self.in_per_rank, dtype=dtype)  # [out, in / tp]
         self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
+        self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.quant is not None:
+            y = self.quant(x)  # [T, out], this rank's partial sum
+        elif self.tp.size == 1:
             return linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(linear(x, self.weight))  # [T, out]
+        else:
+            y = linear(x, self.weight)  # [T, out]
+        if self.tp.size > 1:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
+        """(first row filled, dim cut along, start, length): this rank's input columns, every output row."""
+        n = self.in_per_rank
+        return 0, 1, self.tp.rank * n, n
 
     def weight_loader(self, param: nn.Parameter, src: WeightSource, shard_id: Any = None) -> None:
         if param is self.bias:
             _copy_into(param.data, read_full(src), "row-parallel bias")
             return
-        n = self.in_per_rank
-        _copy_into(param.data, read_narrow(src, 1, self.tp.rank * n, n), "row-parallel weight")
+        _, dim, start, n = self.source_region(shard_id)
+        _copy_into(param.data, read_narrow(src, dim, start, n), "row-parallel weight")
 
 
 class VocabParallelEmbedding(nn.Module):

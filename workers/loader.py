@@ -1,4 +1,4 @@
-"""Build a model from a local Hugging Face checkpoint directory.
+"""Build a model from a local Hugging Face checkpoint directory or a GGUF file (workers/gguf_loader.py).
 
 Weights come from ``*.safetensors`` only (one file, or shards listed in ``model.safetensors.index.json``).
 They are handed to ``model.load_weights`` as lazy safetensors slices, so with tensor parallelism each rank
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from workers import gguf_loader
 from workers.distributed import TPGroup
 from workers.layers import WeightSource
 from workers.model_config import ModelConfig, parse_dtype
@@ -71,33 +72,64 @@ def checkpoint_dtype(path: str) -> torch.dtype:
     return torch.float32
 
 
+QUANTIZATION_CHOICES = ("gguf", "none")
+
+
+def resolve_quantization(path: str | os.PathLike[str], quantization: str | None) -> str:
+    """"gguf" (Q4 weights stay packed) or "none"; None picks "gguf" for a block-quantized GGUF file."""
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    gguf = gguf_loader.is_gguf(path)
+    if quantization == "gguf" and not gguf:
+        raise ValueError(f"quantization 'gguf' needs a *.gguf model file, got {os.fspath(path)!r}")
+    if quantization is None:
+        return "gguf" if gguf and gguf_loader.is_quantized_file(path) else "none"
+    return quantization
+
+
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
                device: str | torch.device = "cpu", tp: TPGroup | None = None,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None, quantization: str | None = None) -> LlamaForCausalLM:
     """The model in ``path`` on ``device``, in ``dtype`` (default: the checkpoint's), this rank's shard of it.
 
     With tensor parallelism every rank calls this with its own ``tp`` (``TPGroup.from_process_group()``).
     ``config``: ``ModelConfig.from_pretrained(path)`` already read elsewhere (e.g. by the controller), which
     spares each worker importing transformers; its dtype is ignored in favour of ``dtype``/the checkpoint's.
+    ``quantization``: for a GGUF file, "gguf" keeps Q4 linear weights packed (workers/quantized_linear.py),
+    "none" dequantizes everything to ``dtype``; None: "gguf" when the file is block-quantized.
     """
     path = os.fspath(path)
     if config is None:
         config = ModelConfig.from_pretrained(path)  # clear errors for a missing dir / config.json
-    config = replace(config, dtype=dtype or checkpoint_dtype(path))
+    quantization = resolve_quantization(path, quantization)
+    gguf = gguf_loader.is_gguf(path)
+    config = replace(config, dtype=dtype or (torch.float32 if gguf else checkpoint_dtype(path)))
     cls = model_class_for(config)
     with torch.device(device):
         model = cls(config, tp or TPGroup.single())
-    model.load_weights(iter_weights(path))
+    if not gguf:
+        model.load_weights(iter_weights(path))
+        return model.eval()
+    weights = gguf_loader.iter_gguf_weights(path, config)
+    if quantization == "gguf":
+        from workers.quantized_linear import quantize_linears
+
+        weights, model.quant_report = quantize_linears(model, weights)
+    model.load_weights(weights)
     return model.eval()
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
+    if gguf_loader.is_gguf(path):
+        return gguf_loader.has_gguf_tokenizer(path)
     return any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES)
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's tokenizer (transformers AutoTokenizer, local files only), or None when it has none."""
     path = os.fspath(path)
+    if gguf_loader.is_gguf(path):
+        return gguf_loader.load_gguf_tokenizer(path) if gguf_loader.has_gguf_tokenizer(path) else None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")
     if not has_tokenizer(path):

@@ -87,16 +87,32 @@ class ModelConfig:
             n = min(n, self.sliding_window)
         return n
 
+    def tp_problem(self, tp_size: int) -> str | None:
+        """Why the model cannot be split over ``tp_size`` ranks, or None when it can.
+
+        KV heads: a size dividing num_kv_heads gives each rank its own; a multiple of num_kv_heads replicates
+        each KV head on tp_size / num_kv_heads ranks (exactly those holding the query heads of its group).
+        """
+        if tp_size < 1:
+            return f"tensor-parallel size must be >= 1, got {tp_size}"
+        if self.num_heads % tp_size != 0:
+            return f"tensor-parallel size {tp_size} must divide num_heads={self.num_heads}"
+        if self.num_kv_heads % tp_size != 0 and tp_size % self.num_kv_heads != 0:
+            return (f"tensor-parallel size {tp_size} must divide num_kv_heads={self.num_kv_heads} or be a "
+                    "multiple of it (kv heads are then replicated)")
+        if self.intermediate_size % tp_size != 0:
+            return f"tensor-parallel size {tp_size} must divide intermediate_size={self.intermediate_size}"
+        return None
+
+    def valid_tp_sizes(self, up_to: int = 8) -> list[int]:
+        return [n for n in range(1, up_to + 1) if self.tp_problem(n) is None]
+
     def check_tp(self, tp_size: int) -> None:
         """Raise a ValueError saying what to change when the model cannot be split over ``tp_size`` ranks."""
-        if self.num_heads % tp_size != 0:
-            raise ValueError(f"tensor-parallel size {tp_size} must divide num_heads={self.num_heads}")
-        if self.num_kv_heads % tp_size != 0 and tp_size % self.num_kv_heads != 0:
-            raise ValueError(f"tensor-parallel size {tp_size} must divide num_kv_heads={self.num_kv_heads} or be "
-                             f"a multiple of it (kv heads are then replicated)")
-        if self.intermediate_size % tp_size != 0:
-            raise ValueError(f"tensor-parallel size {tp_size} must divide "
-                             f"intermediate_size={self.intermediate_size}")
+        problem = self.tp_problem(tp_size)
+        if problem is not None:
+            sizes = ", ".join(map(str, self.valid_tp_sizes(max(8, tp_size))))
+            raise ValueError(f"{problem}; this model splits over {sizes} ranks")
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank stores in its cache (kv heads are replicated when tp_size > num_kv_heads)."""
@@ -106,9 +122,13 @@ class ModelConfig:
     @staticmethod
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
         path = os.fspath(path)
+        if path.endswith(".gguf") and os.path.isfile(path):
+            from workers.gguf_loader import gguf_model_config  # imports this module: only when needed
+
+            return gguf_model_config(path)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"model directory {path!r} does not exist (only local directories are "
-                                    "supported; download the checkpoint first)")
+            raise FileNotFoundError(f"model directory {path!r} does not exist (only local directories and "
+                                    "*.gguf files are supported; download the checkpoint first)")
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{path!r} has no config.json; is it a Hugging Face checkpoint directory?")
         from transformers import AutoConfig  # heavy import, only when a checkpoint is actually read

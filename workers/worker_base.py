@@ -30,7 +30,8 @@ class WorkerBase:
         self.device = torch.device(config.device)
         dtype = (parse_dtype(config.dtype, self.model_config.dtype) if config.dtype
                  else auto_dtype(self.model_config.dtype, self.device))
-        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=self.tp)
+        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=self.tp,
+                                config=self.model_config, quantization=config.quantization)
         tp_size = self.tp.size
         mc = self.model_config
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,

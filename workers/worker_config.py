@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str  # Hugging Face checkpoint directory
+    model: str  # Hugging Face checkpoint directory or GGUF file
     num_blocks: int  # KV cache blocks in this worker's pool
     block_size: int
     dtype: str | None = None  # None: the checkpoint's dtype
     device: str = "cpu"
+    quantization: str | None = None  # GGUF only: "gguf" keeps Q4 weights packed, "none"; None: by the file
     tree_sampling: str = "iid"  # how siblings are drawn at temperature > 0 (draft only; see workers/proposal.py)
     target_vocab_size: int | None = None  # draft only: q is padded to the target's vocabulary
     # Seeded requests derive their draft stream from the seed with this salt, so the draft's draws never

@@ -18,6 +18,8 @@ on CPUs without AVX512-FP16, for transformers as for us.
 
     specserve bench compare --json runs/compare.json
     specserve bench compare --num-prompts 2 --max-tokens 16 --repeats 1      # a quick smoke run
+    specserve bench compare --target smollm2 --quantization none --draft smollm2 --draft-quantization gguf \
+        --batches 1 --temperatures 0 --skip-hf    # a GGUF target, its own 4-bit copy drafting
 """
 
 from __future__ import annotations
@@ -90,8 +92,12 @@ class HF:
     def __init__(self, target: str, draft: str, dtype: torch.dtype, device: str, pad_id: int) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
+        def load(path: str) -> Any:  # a checkpoint directory, or a GGUF file transformers dequantizes
+            kw = {"gguf_file": os.path.basename(path)} if path.endswith(".gguf") else {}
+            src = os.path.dirname(path) if kw else path
+            return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw).to(device).eval()
+
+        self.model, self.draft = load(target), load(draft)
         for m in (self.model, self.draft):
             m.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
             m.generation_config.pad_token_id = pad_id
@@ -175,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=["uni", "ray"], default=None, help="specserve's executor")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers modes")
     ap.add_argument("--skip-floor", action="store_true", help="no decode-step vs memory-floor measurement")
+    ap.add_argument("--quantization", choices=["gguf", "none"], default=None, help="a GGUF target's weights")
+    ap.add_argument("--draft-quantization", choices=["gguf", "none"], default=None, help="a GGUF draft's weights")
     ap.add_argument("--json", default=None, help="write every result here")
     return ap.parse_args(argv)
 
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
         args.target, args.draft = args.target or t, args.draft or d
+    from workers.gguf_loader import resolve_model_path
+
+    args.target, args.draft = resolve_model_path(args.target), resolve_model_path(args.draft)
     from engine.llm import LLM
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
@@ -201,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts(args.prompts, load_tokenizer(args.target), cfg.vocab_size,
                            max([args.num_prompts, *batches]), cfg.max_model_len - n - args.k - 2)
     kv = max(batches) * (max(len(p) for p in prompts) + n + 64)
-    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
+    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
+             "quantization": args.draft_quantization}
     specs = {"specserve_nospec": "none", "specserve_chain": chain,
              "specserve_tree": {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree},
              "specserve_pipelined": {**chain, "pipeline": True}}
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
         hf = HF(args.target, args.draft, getattr(torch, args.dtype), args.device, pad)
     llms = {m: LLM(args.target, specs[m], dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
-                   num_kv_tokens=kv, distributed_executor_backend=args.backend)
+                   num_kv_tokens=kv, distributed_executor_backend=args.backend, quantization=args.quantization)
             for m in ENGINE_MODES if m in modes or (m == "specserve_nospec" and not args.skip_floor)}
     try:
         rows = run_all(args, modes, hf, llms, prompts, batches, temps)

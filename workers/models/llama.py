@@ -11,6 +11,7 @@ and ``mlp.gate_up_proj`` (gate_proj, up_proj); ``load_weights`` takes the HF nam
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -148,15 +149,10 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         loaded: set[str] = set()
         for hf_name, src in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
+            routed = self.route_weight(hf_name)
+            if routed is None:
                 continue
-            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints also store the head; the embedding is the source of truth
-            name, shard_id = hf_name, None
-            for hf_part, (ours, sid) in _MERGED.items():
-                if hf_part in hf_name:
-                    name, shard_id = hf_name.replace(hf_part, ours), sid
-                    break
+            name, shard_id = routed
             if name not in params:
                 raise KeyError(f"checkpoint tensor {hf_name!r} has no matching parameter in "
                                f"{type(self).__name__} ({self.config.architecture})")
@@ -164,6 +160,17 @@ class LlamaForCausalLM(nn.Module):
             modules[module_name].weight_loader(params[name], src, shard_id)
             loaded.add(name if shard_id is None else f"{name}:{shard_id}")
         self._check_complete(params, loaded)
+
+    def route_weight(self, hf_name: str) -> tuple[str, Any] | None:
+        """(our parameter name, shard id for its module's weight_loader) of an HF tensor; None: not used."""
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None  # some tied checkpoints also store the head; the embedding is the source of truth
+        for hf_part, (ours, sid) in _MERGED.items():
+            if hf_part in hf_name:
+                return hf_name.replace(hf_part, ours), sid
+        return hf_name, None
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         expected: set[str] = set()

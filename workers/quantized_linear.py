@@ -1,0 +1,144 @@
+"""Weight-only 4-bit matmuls for GGUF Q4_0 / Q4_1 weights, kept packed in memory (``--quantization gguf``).
+
+A batch-1 decode step is memory-bound: every weight byte is read once per step, so a 4-bit weight is read in
+about 1/7 of the time of its float32 expansion (Q4_1 stores 20 bytes per 32 weights). The matmul is torch's
+CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``), which computes per 32-weight group g and row n
+
+    w[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]          q in 0..15
+
+so Q4_0 (w = (q - 8) d) is scale = d, zero = 0 and Q4_1 (w = q d + m) is scale = d, zero = m + 8 d.
+
+What this model computes, and why it is a model of its own rather than the float32 one: the kernel is fast
+only for bfloat16 (float32 inputs take a scalar path ~40x slower here), so the activations entering these
+matmuls, the block scales (float16 in the file) and the outputs are rounded to bfloat16; everything else
+(norms, residual stream, attention, the head) stays in the compute dtype. The kernel gives a row the same
+result whatever the other rows of the batch (checked in tests/test_gguf.py), so verification of k+1 rows
+scores each candidate as a one-row decode step would: speculation reproduces this model's own output.
+
+``quantize_linears(model, weights)`` moves every Q4 weight of a column/row-parallel linear layer into an
+``Int4Linear`` (this rank's rows/columns only, cut with the layer's ``source_region``) and returns the
+weights still to be loaded the ordinary way. Shapes the kernel cannot take (output rows not a multiple of 16,
+a rank's input columns not whole 32-weight groups) stay dequantized, and the returned report says which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from workers.layers import ColumnParallelLinear, RowParallelLinear
+
+GROUP = 32  # weights per Q4_0 / Q4_1 block
+_KERNEL_DTYPE = torch.bfloat16
+_INNER_K_TILES = 2
+
+
+def _q4_types() -> dict[Any, int]:
+    """GGML type -> bytes before the nibbles in a block (Q4_0: d; Q4_1: d, m)."""
+    from gguf import GGMLQuantizationType as T
+
+    return {T.Q4_0: 2, T.Q4_1: 4}
+
+
+def decode_q4_blocks(raw: np.ndarray, qtype: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw [N, K/32 * block bytes] -> nibbles q [N, K] int32, scale [N, K/32], zero [N, K/32] (float32)."""
+    head = _q4_types()[qtype]
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, head + GROUP // 2)  # [N, G, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]  # [N, G]
+    nibbles = blocks[..., head:]  # [N, G, 16]: low nibble = weight j, high nibble = weight j + 16
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    if head == 4:  # Q4_1: w = q d + m
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        zero = m + 8 * d
+    else:  # Q4_0: w = (q - 8) d
+        zero = np.zeros_like(d)
+    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T with W held as packed 4-bit groups; x [T, in] in any float dtype, y [T, out] in x's dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES))
+        # [K/32, N, 2]: the kernel's layout of (scale, zero) per group and output row
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], -1).to(_KERNEL_DTYPE).contiguous())
+
+    @staticmethod
+    def fits(out_features: int, in_features: int) -> bool:
+        return out_features % 16 == 0 and in_features % GROUP == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_KERNEL_DTYPE).contiguous(), self.packed, GROUP,
+                                                        self.scales_zeros)  # [T, out]
+        return y.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+
+@dataclass
+class QuantReport:
+    quantized: list[str] = field(default_factory=list)  # module names now running Int4Linear
+    dequantized: list[str] = field(default_factory=list)  # Q4 weights expanded because the kernel cannot take them
+    packed_bytes: int = 0
+
+
+def _rank_blocks(layer: nn.Module, parts: Sequence[tuple[Any, Any]]) -> np.ndarray | None:
+    """This rank's raw Q4 rows of ``layer``'s weight (all parts end to end), or None when not block-aligned."""
+    pieces = []
+    for shard_id, src in parts:
+        offset, dim, start, length = layer.source_region(shard_id)
+        if dim == 0:
+            pieces.append((offset, src.raw_rows(start, length)))
+            continue
+        if start % GROUP or length % GROUP:
+            return None
+        bpb = src.raw_rows(0, 1).shape[1] // (src.get_shape()[1] // GROUP)  # bytes per block
+        rows = src.raw_rows(0, src.get_shape()[0])
+        pieces.append((offset, rows[:, start // GROUP * bpb:(start + length) // GROUP * bpb]))
+    pieces.sort(key=lambda p: p[0])
+    return np.concatenate([p for _, p in pieces], axis=0)
+
+
+def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], QuantReport]:
+    """Put Q4 linear weights into ``Int4Linear`` modules; returns (weights left for ``load_weights``, report).
+
+    ``weights``: (HF name, ``GGUFSource``); ``model.route_weight`` maps names to our parameters.
+    """
+    q4 = _q4_types()
+    modules = dict(model.named_modules())
+    groups: dict[str, list[tuple[str, Any, Any]]] = {}  # module name -> [(hf name, shard id, source)]
+    for hf_name, src in weights:
+        routed = model.route_weight(hf_name)
+        if routed is None or getattr(src, "qtype", None) not in q4 or not routed[0].endswith(".weight"):
+            continue
+        module_name = routed[0].rpartition(".")[0]
+        if isinstance(modules.get(module_name), (ColumnParallelLinear, RowParallelLinear)):
+            groups.setdefault(module_name, []).append((hf_name, routed[1], src))
+    report = QuantReport()
+    taken: set[str] = set()
+    for module_name, parts in groups.items():
+        layer = modules[module_name]
+        if len({src.qtype for _, _, src in parts}) != 1:
+            report.dequantized.append(module_name)
+            continue
+        raw = _rank_blocks(layer, [(sid, src) for _, sid, src in parts])
+        out_rows, in_cols = layer.weight.shape
+        if raw is None or not Int4Linear.fits(out_rows, in_cols):
+            report.dequantized.append(module_name)
+            continue
+        q, scale, zero = decode_q4_blocks(raw, parts[0][2].qtype)
+        layer.quant = Int4Linear(q, scale, zero).to(layer.weight.device)
+        layer.weight = None  # no float copy of the weight is kept
+        report.quantized.append(module_name)
+        report.packed_bytes += layer.quant.nbytes()
+        taken.update(hf for hf, _, _ in parts)
+    return [(n, s) for n, s in weights if n not in taken], report
