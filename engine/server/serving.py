@@ -241,7 +241,7 @@ class Serving:
     # ----------------------------------------------------------------------------------------- helpers
     async def _collect_unless_gone(self, streams: list[RequestStream], raw: Request) -> list[_Result] | None:
         """Every stream's whole output; None (and the requests aborted) if the client disconnects first."""
-        work = asyncio.ensure_future(asyncio.gather(*[_collect(s) for s in streams]))
+        work = asyncio.ensure_future(_collect_all(streams))
         watch = asyncio.ensure_future(_wait_disconnect(raw))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -299,6 +299,10 @@ async def _collect(stream: RequestStream) -> _Result:
         parts.append(d.new_text)
         last = d
     return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics)
+
+
+async def _collect_all(streams: list[RequestStream]) -> list[_Result]:
+    return list(await asyncio.gather(*[_collect(s) for s in streams]))
 
 
 async def _wait_disconnect(raw: Request) -> None:
