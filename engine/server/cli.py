@@ -18,10 +18,10 @@ DEFAULT_SERVED_NAME = "specserve-default"  # the built-in pair's name in /v1/mod
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from engine.cli import _add_engine_args
+    from engine.args import EngineArgs
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)  # the same engine flags as `specserve generate`
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but a loopback address needs --api-key (or SPECSERVE_API_KEY)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
@@ -62,7 +62,7 @@ def _log_config(level: str) -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.cli import engine_config_from_args
+    from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
@@ -75,7 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
-    config = engine_config_from_args(args)
+    config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine(config)
     try:
