@@ -24,15 +24,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     EngineArgs.add_cli_args(p)  # the same engine flags as `specserve generate`
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but a loopback address needs --api-key (or SPECSERVE_API_KEY)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--port", type=int, default=8000, metavar="N", help="0 picks a free port (printed when ready)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, if set)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model name clients send (default: --target as given, or {DEFAULT_SERVED_NAME!r})")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a running slot; beyond it the server answers 429 with "
                         "Retry-After")
-    p.add_argument("--retry-after", type=float, default=1.0, help="seconds suggested in 429 Retry-After")
+    p.add_argument("--retry-after", type=float, default=1.0, metavar="SECONDS", help="seconds suggested in 429 Retry-After")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
