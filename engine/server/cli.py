@@ -32,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a running slot; beyond it the server answers 429 with "
                         "Retry-After")
-    p.add_argument("--retry-after", type=float, default=1.0, metavar="SECONDS", help="seconds suggested in 429 Retry-After")
+    p.add_argument("--retry-after", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds suggested in 429 Retry-After")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
