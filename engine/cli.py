@@ -9,6 +9,7 @@ import sys
 from engine.args import EngineArgs
 from engine.batch_job import run_batch
 from engine.llm_engine import LLMEngine
+from engine.server import cli as server_cli
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=["compare"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
+    server_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

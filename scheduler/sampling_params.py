@@ -14,6 +14,9 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_TEMPERATURE
 
 
+INT64_MAX = 2**63 - 1
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -41,11 +44,16 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        # top_k and seed reach int64 tensors and msgpack frames: a larger int would fail a whole step.
+        if self.top_k > INT64_MAX:
+            raise ValueError(f"top_k must be at most 2**63 - 1 (any k >= the vocabulary is off), got {self.top_k}")
         _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
+                raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list):
