@@ -34,11 +34,13 @@ class Schedule:
     first_token_s: float = 0.1
     interval_s: float = 0.02
     tokens_per_chunk: int = 1
+    capacity: int = 0  # > 0: at most this many requests generate at once, the rest wait (a saturating server)
 
 
 @dataclass
 class StubState:
     in_flight: int = 0
+    waiting: int = 0
     peak: int = 0
     bodies: list[dict] = field(default_factory=list)
     finished: int = 0
@@ -49,6 +51,7 @@ class StubState:
 
 def make_app(schedule: Schedule, state: StubState) -> FastAPI:
     app = FastAPI()
+    slots = asyncio.Semaphore(schedule.capacity) if schedule.capacity > 0 else None
 
     def leave() -> None:
         state.in_flight -= 1
@@ -83,7 +86,7 @@ def make_app(schedule: Schedule, state: StubState) -> FastAPI:
         lines += [f"specserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"stub\",position=\"{i}\"}} "
                   f"{n * a}" for i, a in enumerate(ACCEPTED_PER_POS)]
         lines += ["# TYPE specserve:num_requests_running gauge", f"specserve:num_requests_running {state.in_flight}",
-                  "# TYPE specserve:num_requests_waiting gauge", "specserve:num_requests_waiting 0"]
+                  "# TYPE specserve:num_requests_waiting gauge", f"specserve:num_requests_waiting {state.waiting}"]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def completion(request: Request, chat: bool):
@@ -101,6 +104,12 @@ def make_app(schedule: Schedule, state: StubState) -> FastAPI:
             return JSONResponse({"error": {"message": "stub failure", "type": "server_error"}}, status_code=500)
         n_out = int(body.get("max_tokens") or 16)
         kind = "chat.completion.chunk" if chat else "text_completion"
+        if slots is not None:
+            state.waiting += 1
+            try:
+                await slots.acquire()
+            finally:
+                state.waiting -= 1
         headers_at = time.perf_counter()
         times: dict = {"prompt": prompt, "received": arrival, "chunks": [], "done": None}
         state.timeline.append(times)
@@ -134,6 +143,8 @@ def make_app(schedule: Schedule, state: StubState) -> FastAPI:
             finally:
                 if left:
                     leave()
+                if slots is not None:
+                    slots.release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -164,7 +175,7 @@ class StubServer:
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
         line = self.proc.stdout.readline()  # the child prints its URL once it listens, or exits
-        if not line.startswith("stub serving on "):
+        if not line.startswith("specserve: serving on "):
             self.__exit__()
             raise RuntimeError(f"the stub server did not start: {line!r}")
         self.url = line.split()[-1]
@@ -190,11 +201,11 @@ class StubServer:
         httpx.post(self.url + "/stub/reset_peak", timeout=10)
 
 
-def _serve(schedule: Schedule) -> None:
+def _serve(schedule: Schedule, host: str, port: int) -> None:
     import socket
 
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, port))
     cfg = uvicorn.Config(make_app(schedule, StubState()), log_level="warning", lifespan="off", access_log=False)
     server = uvicorn.Server(cfg)
 
@@ -202,13 +213,19 @@ def _serve(schedule: Schedule) -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.01)
-        print(f"stub serving on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+        print(f"specserve: serving on http://{host}:{sock.getsockname()[1]}", flush=True)  # as specserve serve
         await task
 
     asyncio.run(run())
 
 
 if __name__ == "__main__":
+    # specserve serve's flags that a sweep passes (--speculative-config, --port, --host), so that the sweep can
+    # start the stub in place of the real server; others are ignored
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedule", default="{}", help="Schedule fields as JSON")
-    _serve(Schedule(**json.loads(ap.parse_args().schedule)))
+    ap.add_argument("--speculative-config", default=None)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    a, _ = ap.parse_known_args()
+    _serve(Schedule(**json.loads(a.schedule)), a.host, a.port)

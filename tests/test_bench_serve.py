@@ -145,17 +145,24 @@ def test_spec_decode_section_is_the_counter_difference(schedule_run):
 
 
 def test_tpot_counts_tokens_from_usage_not_chunks():
-    """Three tokens per chunk (a speculative burst): ITL is per chunk, TPOT per token from usage."""
+    """Three tokens per chunk (a speculative burst): ITL is per chunk, TPOT per token, with the token count from
+    usage (12), not from the chunks (4): 3 gaps of 30 ms over 11 tokens, not over 3."""
     with StubServer(Schedule(first_token_s=0.05, interval_s=0.03, tokens_per_chunk=3)) as s:
         reqs = [BenchRequest(f"c{i}", f"hello {i}", {"max_tokens": 12}) for i in range(4)]
         r = run_benchmark(_cfg(s.url, endpoint=CHAT, max_concurrency=2), reqs)
-        bodies = s.state()["bodies"]
+        state = s.state()
     assert r["completed"] == 4 and r["backend"] == "openai-chat"
+    assert all(rec["output_tokens"] == 12 and rec["text_chunks"] == 4 for rec in r["requests"])
+    sent = state["timeline"]
+    true_tpot = statistics.median((t["done"] - t["chunks"][0]) / 11 for t in sent)
+    true_itl = statistics.median(b - a for t in sent for a, b in zip(t["chunks"], t["chunks"][1:], strict=False))
+    assert r["median_tpot_ms"] == pytest.approx(true_tpot * 1000, abs=1.0)
+    assert r["median_tpot_ms"] == pytest.approx(3 * 30.0 / 11, abs=2.0)  # chunks instead of usage: 30 ms
+    assert r["median_itl_ms"] == pytest.approx(true_itl * 1000, abs=TOL_MS)
     assert r["median_itl_ms"] == pytest.approx(30.0, abs=TOL_MS)
-    assert r["median_tpot_ms"] == pytest.approx(3 * 30.0 / 11, abs=TOL_MS / 2)  # 4 chunks, 12 tokens
     assert all(rec["ttft"] >= 0.05 for rec in r["requests"])
     assert all(b["stream_options"] == {"include_usage": True} and b["model"] == "stub-model"
-               for b in bodies)
+               for b in state["bodies"])
 
 
 def test_send_times_follow_the_arrival_process(stub):

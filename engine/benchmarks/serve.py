@@ -69,16 +69,19 @@ async def _run(cfg: BenchConfig, requests: list[BenchRequest]) -> dict[str, Any]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     url = cfg.base_url + cfg.endpoint
     offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
-    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    # The semaphore caps requests in flight, not the pool: a request must never wait for a connection (that
+    # wait would count in its TTFT). /metrics goes through a client of its own for the same reason.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency)
     # httpx's own timeouts bound each read; send_request bounds the whole request.
     timeout = httpx.Timeout(cfg.request_timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = cfg.model or await fetch_model_id(client, cfg.base_url, headers)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client, \
+            httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as metrics_client:
+        model = cfg.model or await fetch_model_id(metrics_client, cfg.base_url, headers)
         bodies = [request_body(r, cfg.endpoint, model) for r in requests]  # refuse bad input before sending
-        before = await scrape(client, cfg.base_url, headers)
+        before = await scrape(metrics_client, cfg.base_url, headers)
         sampler = None
         if before is not None and cfg.metrics_interval_s > 0:
-            sampler = QueueSampler(client, cfg.base_url, cfg.metrics_interval_s, headers)
+            sampler = QueueSampler(metrics_client, cfg.base_url, cfg.metrics_interval_s, headers)
             sampler.start()
         records = [RequestRecord(i, r.request_id) for i, r in enumerate(requests)]
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -110,7 +113,7 @@ async def _run(cfg: BenchConfig, requests: list[BenchRequest]) -> dict[str, Any]
         if bar is not None:
             bar.close()
         server_load = await sampler.stop() if sampler is not None else None
-        after = await scrape(client, cfg.base_url, headers)
+        after = await scrape(metrics_client, cfg.base_url, headers)
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if cfg.endpoint == CHAT else "openai",
@@ -154,6 +157,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--random-token-range", default="100,1000",
                     help="MIN,MAX: random prompt token ids are drawn from [MIN, MAX)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens for dataset lines without one")
+    ap.add_argument("--output-len", type=int, default=None, help="max_tokens for every dataset line (overrides)")
     ap.add_argument("--temperature", type=float, default=None, help="temperature for dataset lines without one")
     ap.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM's extension)")
     ap.add_argument("--seed", type=int, default=0)
@@ -182,7 +186,11 @@ def build_requests(args: argparse.Namespace, num_prompts: int) -> list[BenchRequ
                                (int(lo), int(hi)), args.seed, defaults)
     if args.max_tokens is not None:
         defaults["max_tokens"] = args.max_tokens
-    return load_jsonl(args.dataset or DEFAULT_DATASET, num_prompts, defaults)
+    reqs = load_jsonl(args.dataset or DEFAULT_DATASET, num_prompts, defaults)
+    if args.output_len is not None:
+        for r in reqs:
+            r.params["max_tokens"] = args.output_len
+    return reqs
 
 
 def config_from_args(args: argparse.Namespace, base_url: str, request_rate: float,
