@@ -9,6 +9,7 @@ import sys
 from engine.batch_job import run_batch
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
 from engine.llm_engine import LLMEngine
+from engine.server import cli as server_cli
 from scheduler.scheduler import SchedulerConfig
 
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=["compare", "serve", "sweep"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
+    server_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
 
@@ -58,6 +59,33 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or a single list of ints is one prompt."""
+        n = len(self._add_all(prompts, params))
+        return self.run(n, use_tqdm)
+
+    def stream(self, prompts: str | list[int] | Sequence[str | list[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
+        """Deltas of a batch as the steps produce them; request ids are the prompts' positions ("0", "1", ...).
+
+        Closing the generator early aborts the batch's unfinished requests (their KV is freed).
+        """
+        ids = self._add_all(prompts, params)
+        done: set[str] = set()
+        try:
+            while self.engine.has_unfinished:
+                for d in self.engine.step():
+                    if d.finished:
+                        done.add(d.request_id)
+                    yield d
+        finally:
+            pending = [i for i in ids if i not in done]
+            if pending and self.engine.is_alive:
+                for i in pending:
+                    self.engine.abort_request(i)
+                while self.engine.has_unfinished:
+                    self.engine.step()
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Queue one request per prompt, all or nothing; their ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -75,7 +103,7 @@ class LLM:
             for req in queued:
                 self.engine.withdraw_queued(req)
             raise
-        return self.run(len(prompts), use_tqdm)
+        return [r.request_id for r in queued]
 
     def run(self, total: int, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every queued request finishes; outputs sorted by the order they were added."""
@@ -85,7 +113,7 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=total, desc="requests", unit="req")
         while self.engine.has_unfinished:
-            for o in self.engine.step():
+            for o in self.engine.step_finished():
                 outs[o.request_id] = o
                 if bar is not None:
                     bar.update(1)
