@@ -210,3 +210,26 @@ def test_sweep_keeps_going_when_a_server_fails(tmp_path):
     # connection refused: every request failed and is kept; the sweep itself ran to the end
     assert rc == 0 and sweep["configs"][0]["points"][0]["result"]["failed"] == 2
     assert "ConnectError" in next(iter(sweep["configs"][0]["points"][0]["result"]["errors"]))
+
+
+def test_smoke_sweep_against_specserve_serve(tmp_path):
+    """The real server on the built-in pair: the sweep starts `specserve serve` with speculation off and with a
+    chain, runs a two-rung ladder with a few short requests, and stops both servers."""
+    rc = sweep_main(["--config", "off=none", "--config", 'chain2={"num_speculative_tokens": 2}',
+                     "--concurrency", "1,2", "--num-prompts", "2", "--prompts-per-concurrency", "1",
+                     "--output-len", "8", "--temperature", "0", "--warmup-requests", "1", "--startup-timeout", "120",
+                     "--request-timeout", "60", "--metrics-interval", "0.5", "--no-progress",
+                     "--out-dir", str(tmp_path)])
+    assert rc == 0
+    sweep = _check_outputs(tmp_path, ["off", "chain2"])
+    off, chain = sweep["configs"]
+    for c in (off, chain):
+        assert [p["load"] for p in c["points"]] == [1, 2]
+        for p in c["points"]:
+            r = p["result"]
+            assert (r["completed"], r["failed"]) == (2, 0), r["errors"]
+            assert r["total_output_tokens"] == 16 and r["median_ttft_ms"] > 0 and r["median_tpot_ms"] > 0
+    assert not any((p["result"]["spec_decode"] or {}).get("num_drafts") for p in off["points"])
+    sd = chain["points"][0]["result"]["spec_decode"]
+    assert sd["source"] == "specserve" and sd["num_drafts"] > 0 and 1.0 <= sd["mean_acceptance_length"] <= 3.0
+    assert len(sd["per_position_acceptance_rate"]) == 2

@@ -150,14 +150,15 @@ def plot(sweep: dict[str, Any], out_dir: str) -> list[str]:
     save(fig, "tpot.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharey=True)
-    for ax, which in zip(axes, ("low load", "knee"), strict=True):
+    for ax, which in zip(axes, ("low load", "the knee"), strict=True):
         for c in cfgs:
             p = c["points"][0] if which == "low load" else knee_point(c)
+            no_knee = which == "the knee" and (c.get("knee") or {}).get("index") is None
             t = sorted(x["ttft"] * 1000 for x in p["result"]["requests"] if x["success"] and x["ttft"] is not None)
             if t:
-                ax.step(t, [(i + 1) / len(t) for i in range(len(t))], where="post",
-                        label=f"{c['name']} ({kind} {_load_label(p['load'])})")
-        ax.set(xlabel="TTFT ms", title=f"TTFT CDF at {which}")
+                ax.step([0.0] + t, [0.0] + [(i + 1) / len(t) for i in range(len(t))], where="post",
+                        label=f"{c['name']} ({kind} {_load_label(p['load'])}{', no knee: top rung' * no_knee})")
+        ax.set(xlabel="TTFT ms", title=f"TTFT CDF at {which}", ylim=(0, 1.02))
         ax.grid(alpha=0.3)
         if ax.get_lines():
             ax.legend(fontsize=7)
@@ -169,8 +170,9 @@ def plot(sweep: dict[str, Any], out_dir: str) -> list[str]:
     rates = [(n, r) for n, r in rates if r]
     width = 0.8 / max(1, len(rates))
     for j, (name, r) in enumerate(rates):
-        ax.bar([i + j * width for i in range(len(r))], r, width=width, label=name)
+        ax.bar([i + (j - (len(rates) - 1) / 2) * width for i in range(len(r))], r, width=width, label=name)
     if rates:
+        ax.set_xticks(range(max(len(r) for _, r in rates)))
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no speculative-decoding counters", ha="center", va="center", transform=ax.transAxes)
