@@ -120,7 +120,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec
             except json.JSONDecodeError:
                 rec.error = f"malformed event: {data[:ERROR_BODY_CHARS]}"
                 return
-            if "error" in obj:
+            if obj.get("error"):
                 rec.error = f"error event: {json.dumps(obj['error'])[:ERROR_BODY_CHARS]}"
                 return
             piece = _chunk_text(obj)
