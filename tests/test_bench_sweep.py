@@ -217,7 +217,7 @@ def test_smoke_sweep_against_specserve_serve(tmp_path):
     chain, runs a two-rung ladder with a few short requests, and stops both servers."""
     rc = sweep_main(["--config", "off=none", "--config", 'chain2={"num_speculative_tokens": 2}',
                      "--concurrency", "1,2", "--num-prompts", "2", "--prompts-per-concurrency", "1",
-                     "--output-len", "8", "--temperature", "0", "--warmup-requests", "1", "--startup-timeout", "120",
+                     "--output-len", "8", "--warmup-requests", "1", "--startup-timeout", "120",
                      "--request-timeout", "60", "--metrics-interval", "0.5", "--no-progress",
                      "--out-dir", str(tmp_path)])
     assert rc == 0
