@@ -32,6 +32,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.name == "serve":
+        from engine.benchmarks import serve
+
+        return serve.main(args.rest)
+    if args.name == "sweep":
+        from engine.benchmarks import sweep
+
+        return sweep.main(args.rest)
     from engine.benchmarks import compare
 
     return compare.main(args.rest)
@@ -49,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="benchmarks: 'compare' runs every decoding mode side by side")
-    b.add_argument("name", choices=["compare"])
+    b.add_argument("name", choices=["compare", "serve", "sweep"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
     server_cli.add_parser(sub)

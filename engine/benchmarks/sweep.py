@@ -1,0 +1,203 @@
+"""``specserve bench sweep``: load ladders for several server configurations, side by side.
+
+For each configuration (a ``--speculative-config`` value for a ``specserve serve`` the sweep starts and
+stops itself, or the URL of a running server) it runs ``bench serve`` at each rung of a concurrency ladder or
+a request-rate ladder, from low load to past saturation, finds the saturation knee, and writes one JSON with
+everything, a markdown table and PNG plots into ``--out-dir``.
+
+    specserve bench sweep --config off=none --config chain4='{"num_speculative_tokens": 4}' \\
+        --concurrency 1,2,4,8,16 --num-prompts 16 --max-tokens 64 --out-dir runs/sweep
+
+Each rung sends max(--num-prompts, --prompts-per-concurrency x concurrency) requests, so that high rungs
+reach a steady state. Climbing stops ``--stop-past-knee`` rungs past the knee (0: run the whole ladder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from engine.benchmarks.knee import find_knee, stop_climbing
+from engine.benchmarks.serve import add_workload_args, build_requests, config_from_args, run_benchmark
+from engine.benchmarks.server_process import ServerProcess, serve_command
+from engine.benchmarks.sweep_report import markdown, plot
+
+
+@dataclass
+class ServerConfig:
+    name: str
+    speculative_config: str | None = None  # JSON, or "none"; for a server the sweep starts
+    url: str | None = None  # a server already running
+
+    def __post_init__(self) -> None:
+        if (self.speculative_config is None) == (self.url is None):
+            raise ValueError(f"configuration {self.name!r} needs exactly one of a speculative config or a URL")
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", self.name):
+            raise ValueError(f"configuration name {self.name!r}: use letters, digits and _ . + - only")
+
+
+def _named(items: list[str] | None, prefix: str) -> list[tuple[str, str]]:
+    out = []
+    for i, item in enumerate(items or []):
+        m = re.match(r"([A-Za-z0-9_.+-]+)=(.*)", item, re.DOTALL)
+        out.append((m.group(1), m.group(2).strip()) if m else (f"{prefix}{i}", item.strip()))  # no NAME=: numbered
+    return out
+
+
+def parse_configs(configs: list[str] | None, urls: list[str] | None, server_args: list[str]) -> list[ServerConfig]:
+    """``--config NAME=JSON|none`` and ``--url NAME=URL``, in the order given (the first is the baseline)."""
+    out = [ServerConfig(n, speculative_config=_with_default_draft(v, server_args))
+           for n, v in _named(configs, "config")]
+    out += [ServerConfig(n, url=v.rstrip("/")) for n, v in _named(urls, "url")]
+    if not out:
+        raise ValueError("give at least one --config NAME=JSON (a server to start) or --url NAME=URL")
+    names = [c.name for c in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"configuration names must differ, got {names}")
+    return out
+
+
+def _with_default_draft(spec: str, server_args: list[str]) -> str:
+    """A config without a draft ``model`` gets the built-in draft when the server runs the built-in target."""
+    if spec.strip().lower() in ("none", "null", ""):
+        return "none"
+    try:
+        obj = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {spec!r} is not JSON (or 'none'): {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--config {spec!r}: expected a JSON object")
+    if "model" not in obj and "--target" not in server_args:
+        from engine.config import default_model_dirs
+
+        obj["model"] = default_model_dirs()[1]
+    return json.dumps(obj)
+
+
+def parse_ladder(concurrency: str | None, rates: str | None) -> tuple[str, list[float]]:
+    if (concurrency is None) == (rates is None):
+        raise ValueError("give exactly one of --concurrency C1,C2,... or --request-rates R1,R2,...")
+    kind, text = ("concurrency", concurrency) if concurrency is not None else ("request_rate", rates)
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{kind.replace('_', '-')} takes numbers separated by commas, got {text!r}") from None
+    if not values or any(not v > 0 for v in values) or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+        raise ValueError(f"the ladder must be positive and increasing, got {text!r}")
+    if kind == "concurrency" and any(not v.is_integer() for v in values):
+        raise ValueError(f"concurrency rungs must be whole numbers, got {text!r}")
+    return kind, values
+
+
+def run_ladder(url: str, kind: str, values: list[float], args: argparse.Namespace, name: str) -> dict[str, Any]:
+    points: list[dict[str, Any]] = []
+    for v in values:
+        if kind == "concurrency":
+            rate, cap = math.inf, int(v)
+            n = max(args.num_prompts, args.prompts_per_concurrency * int(v))
+        else:
+            rate, cap, n = v, args.max_concurrency, args.num_prompts
+        cfg = config_from_args(args, url, rate, cap)
+        result = run_benchmark(cfg, build_requests(args, n))
+        load: Any = int(v) if kind == "concurrency" else (v if math.isfinite(v) else "inf")
+        points.append({"load": load, "num_prompts": n, "result": result})
+        print(f"[{name}] {kind} {load}: {result['output_throughput']:.1f} out tok/s, "
+              f"TTFT p50 {result['median_ttft_ms'] or float('nan'):.0f} ms, "
+              f"TPOT p50 {result['median_tpot_ms'] or float('nan'):.1f} ms, failed {result['failed']}",
+              file=sys.stderr, flush=True)
+        loads = values[:len(points)]
+        if stop_climbing(loads, [p["result"]["output_throughput"] for p in points], args.stop_past_knee,
+                         args.knee_tolerance):
+            break
+    loads = values[:len(points)]
+    knee = find_knee(loads, [p["result"]["output_throughput"] for p in points],
+                     [p["result"]["median_ttft_ms"] for p in points],
+                     [(p["result"].get("server_load") or {}).get("mean_waiting") for p in points],
+                     args.knee_tolerance)
+    return {"points": points, "knee": knee.to_json()}
+
+
+def warm_up(url: str, args: argparse.Namespace) -> None:
+    """A few requests, one at a time, before measuring (first-call costs are not load)."""
+    if args.warmup_requests > 0:
+        cfg = config_from_args(args, url, math.inf, 1)
+        cfg.progress, cfg.metrics_interval_s = False, 0.0
+        run_benchmark(cfg, build_requests(args, args.warmup_requests))
+
+
+def run_config(c: ServerConfig, kind: str, values: list[float], args: argparse.Namespace,
+               server_args: list[str]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": c.name, "speculative_config": c.speculative_config, "url": c.url}
+    try:
+        if c.url is not None:
+            warm_up(c.url, args)
+            entry.update(run_ladder(c.url, kind, values, args, c.name))
+        else:
+            cmd = serve_command(["--speculative-config", c.speculative_config, *server_args],
+                                shlex.split(args.server_command) or None)
+            entry["server_command"] = cmd
+            log = os.path.join(args.out_dir, f"server-{c.name}.log")
+            with ServerProcess(cmd, log, args.startup_timeout) as server:
+                entry["url"] = server.url
+                warm_up(server.url, args)
+                entry.update(run_ladder(server.url, kind, values, args, c.name))
+    except (RuntimeError, TimeoutError, ValueError, OSError) as e:
+        entry["error"] = f"{type(e).__name__}: {e}"
+        print(f"[{c.name}] failed: {e}", file=sys.stderr, flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specserve bench sweep", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--config", action="append", metavar="NAME=JSON",
+                    help="a server to start: its --speculative-config ('none': no speculation; without 'model', "
+                         "the built-in draft). Repeat; the first is the baseline of the ratios")
+    ap.add_argument("--url", action="append", metavar="NAME=URL", help="a running server instead. Repeat")
+    ap.add_argument("--server-args", default="", help="more `specserve serve` flags for every started server")
+    ap.add_argument("--server-command", default="",
+                    help="instead of `specserve serve`: a command that takes its flags and prints its ready line")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to become ready")
+    ap.add_argument("--concurrency", default=None, help="concurrency ladder, e.g. 1,2,4,8,16")
+    ap.add_argument("--request-rates", default=None, help="request-rate ladder (req/s), e.g. 0.5,1,2,4,inf")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="cap in flight on a rate ladder")
+    ap.add_argument("--num-prompts", type=int, default=16, help="requests per rung (at least)")
+    ap.add_argument("--prompts-per-concurrency", type=int, default=3,
+                    help="on a concurrency ladder, at least this many requests per slot")
+    ap.add_argument("--stop-past-knee", type=int, default=2, help="rungs to run past the knee (0: all)")
+    ap.add_argument("--knee-tolerance", type=float, default=0.05,
+                    help="relative throughput gain below which load no longer counts as rising")
+    ap.add_argument("--warmup-requests", type=int, default=2)
+    ap.add_argument("--out-dir", required=True, help="sweep.json, sweep.md, *.png and server logs go here")
+    add_workload_args(ap)
+    args = ap.parse_args(argv)
+    if args.num_prompts < 1 or args.prompts_per_concurrency < 0:
+        raise ValueError("--num-prompts must be >= 1 and --prompts-per-concurrency >= 0")
+    server_args = shlex.split(args.server_args)
+    configs = parse_configs(args.config, args.url, server_args)
+    kind, values = parse_ladder(args.concurrency, args.request_rates)
+    build_requests(args, 1)  # a bad dataset fails now, not after the first server started
+    os.makedirs(args.out_dir, exist_ok=True)
+    sweep: dict[str, Any] = {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "command": "specserve bench sweep " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "ladder": {"kind": kind, "values": [v if math.isfinite(v) else "inf" for v in values]},
+        "configs": [run_config(c, kind, values, args, server_args) for c in configs],
+    }
+    with open(os.path.join(args.out_dir, "sweep.json"), "w", encoding="utf-8") as f:
+        json.dump(sweep, f, indent=1)
+    table = markdown(sweep)
+    with open(os.path.join(args.out_dir, "sweep.md"), "w", encoding="utf-8") as f:
+        f.write(table)
+    if any(c.get("points") for c in sweep["configs"]):
+        plot(sweep, args.out_dir)
+    print(table)
+    return 1 if any(c.get("error") for c in sweep["configs"]) else 0
