@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, address=address,
                                     backend=distributed_executor_backend, transport=transport,
                                     placement_timeout_s=placement_timeout_s)))
+        # One engine, one caller at a time: requests of two concurrent generate() calls would share the
+        # engine's queue and ids, and each call would collect the other's outputs.
+        self._lock = threading.Lock()
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and placement groups, sockets)."""
@@ -66,6 +70,10 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        with self._lock:  # a second thread waits for the first call to finish (see __init__)
+            return self._generate(prompts, plist, use_tqdm)
+
+    def _generate(self, prompts: list, plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         queued = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):

@@ -101,10 +101,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and queue; raises ValueError naming the field and the limit."""
         self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
+        params.validate(self.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self._encode(prompt)
         else:
             token_ids = list(prompt)
         if not token_ids:
@@ -124,6 +128,16 @@ class LLMEngine:
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
         return req
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"), e.g. from a JSON escape
+            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})") from None
+        try:
+            return list(self.tokenizer.encode(prompt))
+        except Exception as e:  # the tokenizer refuses this one prompt; the engine and its batch are fine
+            raise ValueError(f"prompt: the tokenizer refused it ({type(e).__name__}: {e})") from None
 
     def withdraw_queued(self, req: Request) -> None:
         """Take back a request that ``add_request`` queued and no step has scheduled yet."""
