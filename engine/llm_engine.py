@@ -98,8 +98,12 @@ class LLMEngine:
         self._finished_ids: list[int] = []
 
     # ----------------------------------------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and queue; raises ValueError naming the field and the limit."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> Request:
+        """Validate and queue; raises ValueError naming the field and the limit.
+
+        ``priority``: lower is admitted first (and preempted last); batch jobs use 1, online requests 0.
+        """
         self._check_alive()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -119,7 +123,9 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
-        req = Request(next(self._seq_ids), str(request_id), token_ids, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        req = Request(next(self._seq_ids), str(request_id), token_ids, params, priority=priority)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
