@@ -20,6 +20,8 @@ class JsonlLine:
     number: int  # 1-based line number in the file (blank lines count)
     text: str | None  # None when the bytes are not UTF-8
     error: str | None = None
+    offset: int = 0  # byte offset of the line in the file (BOM and terminator excluded)
+    length: int = 0  # bytes of the line (terminator excluded)
 
     @property
     def blank(self) -> bool:
@@ -28,14 +30,18 @@ class JsonlLine:
 
 def iter_lines(f: IO[bytes]) -> Iterator[JsonlLine]:
     """Every line of a binary file, decoded one at a time (memory: one line)."""
+    pos = 0
     for number, raw in enumerate(f, start=1):
+        start, pos = pos, pos + len(raw)
         if number == 1 and raw.startswith(BOM):
             raw = raw[len(BOM):]
+            start += len(BOM)
         raw = raw.removesuffix(b"\n").removesuffix(b"\r")
         try:
-            yield JsonlLine(number, raw.decode("utf-8"))
+            yield JsonlLine(number, raw.decode("utf-8"), None, start, len(raw))
         except UnicodeDecodeError as e:
-            yield JsonlLine(number, None, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})")
+            yield JsonlLine(number, None, f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})", start,
+                            len(raw))
 
 
 def loads(text: str) -> Any:
