@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from engine.jsonl import JsonlLine, loads
-from engine.llm_engine import EngineDeadError, LLMEngine, RequestOutput
+from engine.llm_engine import EngineDeadError, LLMEngine
+from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_token_ids")
@@ -167,7 +168,7 @@ def run_batch(engine: LLMEngine, lines: Iterable[str | JsonlLine], out: IO[str],
                 if exhausted:
                     break
                 continue
-            for o in engine.step():
+            for o in engine.step_finished():
                 p = user_id.pop(o.request_id)
                 o.request_id = p.request_id
                 generated += len(o.token_ids)

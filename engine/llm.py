@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
 
@@ -43,6 +45,7 @@ class LLM:
         # One engine, one caller at a time: requests of two concurrent generate() calls would share the
         # engine's queue and ids, and each call would collect the other's outputs.
         self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id holding the lock
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and placement groups, sockets)."""
@@ -62,6 +65,49 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or a single list of ints is one prompt."""
+        with self._exclusive():
+            n = len(self._add_all(prompts, params))
+            return self.run(n, use_tqdm)
+
+    def stream(self, prompts: str | list[int] | Sequence[str | list[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
+        """Deltas of a batch as the steps produce them; request ids are the prompts' positions ("0", "1", ...).
+
+        Closing the generator early aborts the batch's unfinished requests (their KV is freed).
+        """
+        with self._exclusive():  # taken at the first next(), held until the stream ends or is closed
+            ids = self._add_all(prompts, params)
+            done: set[str] = set()
+            try:
+                while self.engine.has_unfinished:
+                    for d in self.engine.step():
+                        if d.finished:
+                            done.add(d.request_id)
+                        yield d
+            finally:
+                pending = [i for i in ids if i not in done]
+                if pending and self.engine.is_alive:
+                    for i in pending:
+                        self.engine.abort_request(i)
+                    while self.engine.has_unfinished:
+                        self.engine.step()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One generate/stream at a time: another thread waits its turn; the same thread (an unfinished
+        stream, then another call) is refused, since waiting would deadlock and sharing would mix results."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("this LLM is already running a generate() or stream() in this thread (an "
+                               "unfinished stream?): finish or close it first")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Queue one request per prompt, all or nothing; their ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -70,10 +116,6 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} SamplingParams for {len(prompts)} prompts")
-        with self._lock:  # a second thread waits for the first call to finish (see __init__)
-            return self._generate(prompts, plist, use_tqdm)
-
-    def _generate(self, prompts: list, plist: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         queued = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
@@ -83,7 +125,7 @@ class LLM:
             for req in queued:
                 self.engine.withdraw_queued(req)
             raise
-        return self.run(len(prompts), use_tqdm)
+        return [r.request_id for r in queued]
 
     def run(self, total: int, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every queued request finishes; outputs sorted by the order they were added."""
@@ -93,7 +135,7 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=total, desc="requests", unit="req")
         while self.engine.has_unfinished:
-            for o in self.engine.step():
+            for o in self.engine.step_finished():
                 outs[o.request_id] = o
                 if bar is not None:
                     bar.update(1)

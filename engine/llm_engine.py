@@ -11,12 +11,12 @@ import dataclasses
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
 
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.executor import make_executor
 from engine.metrics import SpecDecodingStats, StepTimes
+from engine.outputs import RequestDelta, RequestOutput
 from engine.pipeline import Pipeliner, sampling_spec
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
@@ -30,17 +30,6 @@ from workers.verification import CandidateTree
 from workers.worker_config import WorkerConfig
 
 _MAX_AUTO_KV_TOKENS = 1 << 17
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    finished: bool
-    metrics: dict
 
 
 class EngineDeadError(RuntimeError):
@@ -93,7 +82,11 @@ class LLMEngine:
         self.pipeline = (Pipeliner(self, spec.pipeline_width)
                          if spec is not None and spec.pipeline else None)
         self._seq_ids = itertools.count()
-        self._stop: dict[int, StopChecker] = {}
+        self._stop: dict[int, StopChecker] = {}  # seq_id -> stop checks and detokenizer
+        self._requests: dict[str, Request] = {}  # unfinished requests by the user's id (for abort)
+        self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
+        self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
+        self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
         self._draft_commits: dict[int, CommitSpec] = {}
         self._finished_ids: list[int] = []
 
@@ -120,12 +113,15 @@ class LLMEngine:
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        req = Request(next(self._seq_ids), str(request_id), token_ids, params, priority=priority)
+        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -133,6 +129,7 @@ class LLMEngine:
         checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
+        self._requests[request_id] = req
         return req
 
     def _encode(self, prompt: str) -> list[int]:
@@ -146,9 +143,20 @@ class LLMEngine:
             raise ValueError(f"prompt: the tokenizer refused it ({type(e).__name__}: {e})") from None
 
     def withdraw_queued(self, req: Request) -> None:
-        """Take back a request that ``add_request`` queued and no step has scheduled yet."""
+        """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""
         self.scheduler.waiting.remove(req)
         self._stop.pop(req.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        self._aborts.pop(req.request_id, None)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a queued or running request with reason "abort" at the start of the next step, which frees
+        its KV and returns its last delta. False when no unfinished request has this id."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            return False
+        self._aborts[req.request_id] = req
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -164,16 +172,31 @@ class LLMEngine:
             raise EngineDeadError(f"the engine stopped after a failed step ({type(self._dead).__name__}: "
                                   f"{self._dead}); create a new engine") from self._dead
 
-    def step(self) -> list[RequestOutput]:
-        """One round for every scheduled request; returns the requests that finished in it."""
+    @property
+    def is_alive(self) -> bool:
+        """False once a step failed (every later call raises EngineDeadError)."""
+        return self._dead is None
+
+    def step(self) -> list[RequestDelta]:
+        """One round for every scheduled request; a delta for each request that got tokens or finished
+        (aborted ones included)."""
         self._check_alive()
+        self._finished_outputs = []
         try:
-            return self._step()
+            self._apply_aborts()
+            if self.scheduler.has_unfinished:
+                self._step()
+            return self._take_deltas()
         except BaseException as e:
             self._dead = e
             raise
 
-    def _step(self) -> list[RequestOutput]:
+    def step_finished(self) -> list[RequestOutput]:
+        """One step; the requests that finished in it, whole (for callers that do not stream)."""
+        self.step()
+        return self._finished_outputs
+
+    def _step(self) -> None:
         times = self.times
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -191,15 +214,14 @@ class LLMEngine:
         t3 = time.perf_counter()
         if pipe:
             pipe.target_done(out.elapsed_s)
-        finished = self._commit_prefills(batch, out.first_tokens)
-        finished += self._commit_rounds(batch, trees, out.results)
+        self._commit_prefills(batch, out.first_tokens)
+        self._commit_rounds(batch, trees, out.results)
         t4 = time.perf_counter()
         if pipe:
             pipe.collect(batch)
         t5 = time.perf_counter()
         times.record(schedule_s=t1 - t0, draft_wall_s=t2 - t1, verify_wall_s=t3 - t2, verify_s=out.elapsed_s,
                      commit_s=t4 - t3, collect_s=t5 - t4)
-        return [self._output(r) for r in finished]
 
     def _forget_draft_state(self, seq_id: int) -> None:
         self._draft_commits.pop(seq_id, None)
@@ -282,12 +304,16 @@ class LLMEngine:
         return finished
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append what the round produced, up to a stop; True when the request is finished."""
+        """Append what the round produced, up to a stop; True when the request is finished.
+
+        The one place where tokens join a request and a finished request is finalised: the step's deltas are
+        recorded here (and in ``_apply_aborts``)."""
         checker = self._stop[req.seq_id]
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()
-        kept, stopped = checker.truncate(req.output_token_ids, tokens, req.remaining_tokens)
+        kept, stopped = checker.truncate(tokens, req.remaining_tokens)
         req.output_token_ids += kept
+        self._emitted.setdefault(req.seq_id, (req, []))[1].extend(kept)
         reason = None
         if stopped:
             reason = FinishReason.STOP
@@ -295,10 +321,39 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is None:
             return False
+        self._finish(req, reason)
+        return True
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Free its KV; the workers drop its state with the next step's messages."""
         self.scheduler.finish(req, reason)
+        req.stats.finish_time = time.monotonic()
         self._forget_draft_state(req.seq_id)
         self._finished_ids.append(req.seq_id)
-        return True
+        self._emitted.setdefault(req.seq_id, (req, []))
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for req in aborts.values():
+            if not req.finished:
+                self._finish(req, FinishReason.ABORT)
+
+    def _take_deltas(self) -> list[RequestDelta]:
+        """This step's deltas, in the order requests got tokens; finished requests leave the engine here."""
+        emitted, self._emitted = self._emitted, {}
+        deltas = []
+        for req, new in emitted.values():
+            checker = self._stop[req.seq_id]
+            deltas.append(RequestDelta(
+                req.request_id, new, checker.take_text(req.finished), req.finished,
+                req.finish_reason.value if req.finished and req.finish_reason else None,
+                len(req.prompt_token_ids), len(req.output_token_ids),
+                req.stats.as_dict() if req.finished else None))
+            if req.finished:
+                self._finished_outputs.append(self._output(req))
+                del self._stop[req.seq_id]
+                self._requests.pop(req.request_id, None)
+        return deltas
 
     def _take_finished(self) -> list[int]:
         ids, self._finished_ids = self._finished_ids, []
@@ -308,11 +363,8 @@ class LLMEngine:
         return self.scheduler.draft_blocks.tables[req.seq_id]
 
     def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self._stop[req.seq_id].final_text(req.output_token_ids)
-        self._stop.pop(req.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
-                             req.finish_reason.value if req.finish_reason else None, req.finished, req.stats.as_dict())
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             self._stop[req.seq_id].text, req.finish_reason.value if req.finish_reason else None,
+                             req.finished, req.stats.as_dict())
 
 

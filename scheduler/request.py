@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
+    ABORT = "abort"
 
 
 def count_accepted_positions(counts: list[int], accepted: int) -> None:

@@ -206,6 +206,8 @@ class Scheduler:
         self._release(req)
         if req in self.running:
             self.running.remove(req)
+        elif req in self.waiting:  # aborted before it ran (or while preempted)
+            self.waiting.remove(req)
 
     def after_commit(self, req: Request) -> None:
         """Give back the target's scratch blocks past what it has committed.

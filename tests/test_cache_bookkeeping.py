@@ -113,7 +113,7 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
                                                      **extra))
     outs = {}
     while engine.has_unfinished:
-        batch_outs = engine.step()
+        batch_outs = engine.step_finished()
         outs.update({o.request_id: o for o in batch_outs})
         counts["target"] += check_cache(target, sched_.target_blocks.tables, sched_.running, "target")
     assert len(outs) == len(PROMPTS) and all(len(o.token_ids) == 36 for o in outs.values())

@@ -102,3 +102,14 @@ def test_generate_from_two_threads_gives_each_caller_its_own_results(llm: LLM) -
         t.join(timeout=120)
     assert not errors, errors
     assert set(got) == {"a", "b"}
+
+
+def test_a_second_call_in_the_thread_of_an_unfinished_stream_is_refused(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    stream = llm.stream([[1, 2, 3]], params)
+    next(stream)
+    with pytest.raises(RuntimeError, match="already running a generate\\(\\) or stream\\(\\) in this thread"):
+        llm.generate([[4, 5]], params)
+    stream.close()  # aborts the rest; the LLM is free again
+    (out,) = llm.generate([[4, 5]], params)
+    assert len(out.token_ids) == 4
