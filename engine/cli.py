@@ -14,6 +14,7 @@ from engine.batch_job import OutputWriteError, ResumePoint, resume_point, run_ba
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
 from engine.jsonl import count_lines, iter_lines
 from engine.llm_engine import LLMEngine
+from engine.server import cli as server_cli
 from scheduler.scheduler import SchedulerConfig
 
 
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("name", choices=["compare"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
+    server_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,111 @@
+"""``specserve serve``: the engine behind an OpenAI-compatible HTTP server.
+
+Takes the same engine flags as ``specserve generate`` (one definition), plus the server's own. Once it
+accepts connections it prints exactly one line to stdout, ``specserve: serving on http://HOST:PORT``
+(``--port 0`` picks a free port and prints it); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import socket
+import sys
+
+DEFAULT_SERVED_NAME = "specserve-default"  # the built-in pair's name in /v1/models
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from engine.cli import _add_engine_args
+
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind; anything but a loopback address needs --api-key (or SPECSERVE_API_KEY)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, if set)")
+    p.add_argument("--served-model-name", default=None,
+                   help=f"the model name clients send (default: --target as given, or {DEFAULT_SERVED_NAME!r})")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait for a running slot; beyond it the server answers 429 with "
+                        "Retry-After")
+    p.add_argument("--retry-after", type=float, default=1.0, help="seconds suggested in 429 Retry-After")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a taken port fails in a second, not after a minute of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging, all on stderr: stdout carries only the 'serving on' line."""
+    import uvicorn.config
+
+    cfg = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for handler in cfg["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    cfg["loggers"]["specserve"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return cfg
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.cli import engine_config_from_args
+    from engine.llm_engine import LLMEngine
+    from engine.server.app import build_app
+    from engine.server.async_engine import AsyncEngine
+    from engine.server.auth import resolve_api_key
+    from engine.server.metrics import ServerMetrics
+    from engine.server.serving import ServerConfig
+    from workers.loader import load_tokenizer
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
+    sock = _bind(args.host, args.port)
+    config = engine_config_from_args(args)
+    name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
+    engine = LLMEngine(config)
+    try:
+        metrics = ServerMetrics(name)
+        async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
+                                   metrics=metrics)
+        tokenizer = load_tokenizer(config.tokenizer or config.target)
+        app = build_app(async_engine, ServerConfig(name, os.path.abspath(config.target)), tokenizer,
+                        api_key=api_key)
+    except BaseException:
+        engine.shutdown()
+        raise
+    server = uvicorn.Server(uvicorn.Config(app, log_config=_log_config(args.log_level), log_level=args.log_level,
+                                           access_log=args.access_log, timeout_graceful_shutdown=5))
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        asyncio.run(_serve(server, sock, url))
+    finally:
+        if not async_engine.started:  # the loop thread owns (and shuts down) the engine once it has started
+            engine.shutdown()
+    return 0
+
+
+async def _serve(server, sock: socket.socket, url: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        print(f"specserve: serving on {url}", flush=True)
+    await task
+    if not server.started:
+        print("specserve: error: the server did not start (see the log above)", file=sys.stderr)

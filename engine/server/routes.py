@@ -1,0 +1,55 @@
+"""The endpoints: OpenAI's ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``; ``/health``, ``/metrics``.
+
+Routes only parse (pydantic, via FastAPI) and hand over to ``Serving``; the app keeps its collaborators on
+``app.state`` (``serving``, ``async_engine``, ``metrics``), which extra routers can read the same way.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engine.server.serving import APIError, Serving
+
+router = APIRouter()
+
+
+def get_serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request,
+                            serving: Serving = Depends(get_serving)) -> Response:
+    return await serving.completions(body, raw)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
+                                 serving: Serving = Depends(get_serving)) -> Response:
+    return await serving.chat(body, raw)
+
+
+@router.get("/v1/models")
+async def list_models(serving: Serving = Depends(get_serving)) -> ModelList:
+    cfg = serving.config
+    return ModelList(data=[ModelCard(id=cfg.served_model_name, root=cfg.model_path,
+                                     max_model_len=serving.engine.max_model_len)])
+
+
+@router.get("/health")
+async def health(serving: Serving = Depends(get_serving)) -> Response:
+    engine = serving.engine
+    if engine.is_ready:
+        return JSONResponse({"status": "ok"})
+    err = engine.dead_error
+    reason = "engine not running" if err is None else f"engine stopped: {type(err).__name__}: {err}"
+    return APIError(503, reason).response()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = request.app.state.metrics
+    return Response(generate_latest(m.registry) if m is not None else b"", media_type=CONTENT_TYPE_LATEST)
