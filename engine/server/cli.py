@@ -33,6 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="requests that may wait for a running slot; beyond it the server answers 429 with "
                         "Retry-After")
     p.add_argument("--retry-after", type=float, default=1.0, help="seconds suggested in 429 Retry-After")
+    p.add_argument("--data-dir", default=None,
+                   help="where the Batch API keeps its files and job store (SQLite); jobs left unfinished there "
+                        "resume on start (default: the user data directory's 'specserve' folder)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
@@ -75,6 +78,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
+    from engine.jobs import JobStore, default_data_dir
+    from engine.server.batches import batch_router
+
+    job_store = JobStore(args.data_dir or default_data_dir())  # an unusable data dir fails before the model loads
     config = engine_config_from_args(args)
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine(config)
@@ -83,8 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
                                    metrics=metrics)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
+        # Twice the running set in flight: the engine stays full of batch work, and its waiting queue short.
+        batches = batch_router(job_store, max_in_flight=2 * config.scheduler.max_num_seqs)
         app = build_app(async_engine, ServerConfig(name, os.path.abspath(config.target)), tokenizer,
-                        api_key=api_key)
+                        api_key=api_key, extra_routers=[batches])
     except BaseException:
         engine.shutdown()
         raise
