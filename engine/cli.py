@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from engine import batch_cli
 from engine.batch_job import OutputWriteError, ResumePoint, resume_point, run_batch
 from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
 from engine.jsonl import count_lines, iter_lines
@@ -142,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
     server_cli.add_parser(sub)
+    batch_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
