@@ -107,12 +107,13 @@ def _ttft(url: str, prompt: str, max_tokens: int) -> float:
     t = time.perf_counter()
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                              "temperature": 0, "stream": True}, timeout=300) as r:
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             data = line[5:].strip() if line.startswith("data:") else "[DONE]"
             choices = json.loads(data).get("choices") if data != "[DONE]" else None
             if choices and choices[0].get("text"):
                 first = time.perf_counter() - t
-                for _ in r.iter_lines():  # drain: the request runs to its end, as a user's would
+                for _ in lines:  # drain: the request runs to its end, as a user's would
                     pass
                 return first
     raise RuntimeError("no token came back")

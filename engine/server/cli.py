@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--data-dir", default=None,
                    help="where the Batch API keeps its files and job store (SQLite); jobs left unfinished there "
                         "resume on start (default: the user data directory's 'specserve' folder)")
+    p.add_argument("--batch-max-in-flight", type=int, default=None,
+                   help="batch-job requests in the engine at once (default: 2 x --max-num-seqs); fewer keeps online "
+                        "latency lower while a job runs, at the job's expense")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
@@ -90,8 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
                                    metrics=metrics)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
-        # Twice the running set in flight: the engine stays full of batch work, and its waiting queue short.
-        batches = batch_router(job_store, max_in_flight=2 * config.scheduler.max_num_seqs)
+        # Twice the running set in flight by default: the engine stays full of batch work, its waiting queue short.
+        batches = batch_router(job_store, max_in_flight=args.batch_max_in_flight or 2 * config.scheduler.max_num_seqs)
         app = build_app(async_engine, ServerConfig(name, os.path.abspath(config.target)), tokenizer,
                         api_key=api_key, extra_routers=[batches])
     except BaseException:
