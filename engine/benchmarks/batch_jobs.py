@@ -4,6 +4,7 @@ latency while a job runs.
 ```
 python -m engine.benchmarks.batch_jobs rss  --lines 100000 --seconds 180    # server RSS: upload, validation, run
 python -m engine.benchmarks.batch_jobs ttft --job 2000 --probes 20           # TTFT at concurrency 1, idle vs job
+python -m engine.benchmarks.batch_jobs store --lines 100000                  # a whole job, no model: store memory
 ```
 
 Both start the server in a subprocess (built-in pair unless ``--target``; any further flags go to ``serve``) on
@@ -103,6 +104,50 @@ def cmd_rss(args: argparse.Namespace, extra: list[str]) -> dict:
             server.stop()
 
 
+def cmd_store(args: argparse.Namespace, extra: list[str]) -> dict:
+    """The whole life of a job (upload, validation, every request, finalization) through the store and runner
+    with an instant stand-in for the engine: the store's own memory, without the model's."""
+    import asyncio
+    import resource
+
+    from engine.batch_runner import BatchRunner
+    from engine.jobs import JobStore
+
+    class Instant:
+        async def execute(self, endpoint: str, body: dict, request_id: str) -> tuple[int, dict]:
+            return 200, {"object": "text_completion", "choices": [{"index": 0, "text": body["prompt"][::-1],
+                                                                   "finish_reason": "length"}]}
+
+    def rss() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "in.jsonl")
+        _write_job(src, args.lines, 1)
+        store = JobStore(os.path.join(tmp, "data"))
+        base = rss()
+        t0 = time.monotonic()
+        with open(src, "rb") as f:
+            fid = store.create_file(f, "in.jsonl", "batch")["id"]
+        bid = store.create_batch(fid, "/v1/completions")["id"]
+
+        async def run() -> dict:
+            runner = BatchRunner(store, Instant(), max_in_flight=128, poll_s=0.05)
+            runner.start()
+            while (b := store.get_batch(bid))["status"] not in ("completed", "failed"):
+                await asyncio.sleep(0.5)
+            await runner.stop()
+            return b
+
+        b = asyncio.run(run())
+        return {"lines": args.lines, "status": b["status"], "request_counts": b["request_counts"],
+                "elapsed_s": round(time.monotonic() - t0, 1), "rss_mb_before": round(base, 1),
+                "rss_mb_after": round(rss(), 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "output_mb": round(store.get_file(b["output_file_id"])["bytes"] / 2**20, 1)}
+
+
 def _ttft(url: str, prompt: str, max_tokens: int) -> float:
     t = time.perf_counter()
     with httpx.stream("POST", url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
@@ -162,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--job-tokens", type=int, default=16)
     t.add_argument("--probes", type=int, default=20)
     t.add_argument("--probe-tokens", type=int, default=4)
+    st = sub.add_parser("store", help="a whole job through the store and runner, no model (store memory only)")
+    st.add_argument("--lines", type=int, default=100_000)
     args, extra = p.parse_known_args(argv)
-    out = cmd_rss(args, extra) if args.mode == "rss" else cmd_ttft(args, extra)
+    out = {"rss": cmd_rss, "ttft": cmd_ttft, "store": cmd_store}[args.mode](args, extra)
     print(json.dumps(out, indent=2))
     return 0
 
