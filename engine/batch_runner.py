@@ -23,7 +23,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.jobs import JobStore, PendingRequest, error_row, response_row
+from engine.batch_lines import error_row, response_row
+from engine.jobs import JobStore, PendingRequest
 
 logger = logging.getLogger("specserve.batch")
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -30,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from engine.jsonl import JsonlLine, iter_lines, loads
+from engine.batch_lines import MISSING, check_line, expired_row, new_id, validation_error
+from engine.jsonl import iter_lines, loads
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
@@ -83,10 +83,6 @@ class PendingRequest:
     idx: int
     custom_id: str
     body: dict[str, Any]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
 
 
 def default_data_dir() -> str:
@@ -286,18 +282,18 @@ class JobStore:
         try:
             f = open(path, "rb")  # noqa: SIM115 - closed below
         except FileNotFoundError:
-            errors.append(_error("missing_file", f"the input file {b['input_file_id']} no longer exists"))
+            errors.append(validation_error("missing_file", f"the input file {b['input_file_id']} no longer exists"))
             f = None
         if f is not None:
             with f:
                 for ln in iter_lines(f):
                     if ln.blank:
                         continue
-                    custom_id, state, result = _check_line(ln, endpoint)
-                    if custom_id is _MISSING:
+                    custom_id, state, result = check_line(ln, endpoint)
+                    if custom_id is MISSING:
                         if len(errors) < MAX_VALIDATION_ERRORS:
-                            errors.append(_error("missing_custom_id", f"line {ln.number}: 'custom_id' is required "
-                                                 "(a string)", "custom_id", ln.number))
+                            errors.append(validation_error("missing_custom_id", f"line {ln.number}: 'custom_id' is "
+                                                           "required (a string)", "custom_id", ln.number))
                         custom_id = None
                     pending.append((batch_id, idx, ln.number, custom_id, ln.offset, ln.length, state, result))
                     idx += 1
@@ -310,10 +306,11 @@ class JobStore:
                 "SELECT custom_id, group_concat(line, ', ') AS lines FROM requests WHERE batch_id = ? "
                 "AND custom_id IS NOT NULL GROUP BY custom_id HAVING count(*) > 1 ORDER BY min(line) LIMIT ?",
                 (batch_id, MAX_VALIDATION_ERRORS)).fetchall()
-            errors += [_error("duplicate_custom_id", f"custom_id {r['custom_id']!r} appears on lines {r['lines']}",
-                              "custom_id", int(r["lines"].split(",")[1])) for r in dups]
+            errors += [validation_error("duplicate_custom_id",
+                                        f"custom_id {r['custom_id']!r} appears on lines {r['lines']}",
+                                        "custom_id", int(r["lines"].split(",")[1])) for r in dups]
         if not errors and idx == 0:
-            errors.append(_error("empty_file", "the input file has no requests"))
+            errors.append(validation_error("empty_file", "the input file has no requests"))
         if errors:
             with self._tx() as db:
                 db.execute("DELETE FROM requests WHERE batch_id = ?", (batch_id,))
@@ -396,7 +393,7 @@ class JobStore:
         try:
             with open(tmp, "w", encoding="utf-8") as out:
                 for r in cur:
-                    line = r["result"] if r["state"] != "pending" else json.dumps(_expired_row(r["custom_id"]))
+                    line = r["result"] if r["state"] != "pending" else json.dumps(expired_row(r["custom_id"]))
                     out.write(line + "\n")
                     size += len(line.encode()) + 1
                 out.flush()
@@ -415,59 +412,6 @@ class JobStore:
         with open(self.file_path(file_id), "rb") as f:
             while data := f.read(chunk):
                 yield data
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-_MISSING = object()
-
-
-def _error(code: str, message: str, param: str | None = None, line: int | None = None) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": param, "line": line}
-
-
-def error_row(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    """An output row for a request that never got an HTTP response (OpenAI's ``error`` field)."""
-    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
-
-
-def response_row(custom_id: str, status_code: int, body: dict[str, Any]) -> dict[str, Any]:
-    """An output row for a request that got an HTTP response (a 200 in the output file, others in errors)."""
-    return {"id": new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": new_id("req_"), "body": body}, "error": None}
-
-
-def _expired_row(custom_id: str | None) -> dict[str, Any]:
-    return error_row(custom_id, "batch_expired", "This request could not be executed before the completion window "
-                                                 "expired.")
-
-
-def _check_line(ln: JsonlLine, endpoint: str) -> tuple[Any, str, str | None]:
-    """(custom_id or _MISSING, row state, error row as JSON or None) for one non-blank input line."""
-    if ln.text is None:
-        # Not UTF-8: the custom_id may still be readable (the bad bytes are usually in the prompt).
-        return None, "failed", json.dumps(error_row(None, "invalid_utf8", ln.error))
-    try:
-        obj = loads(ln.text)
-    except ValueError as e:
-        return None, "failed", json.dumps(error_row(None, "invalid_json_line", f"line {ln.number}: {e}"))
-    if not isinstance(obj, dict):
-        return None, "failed", json.dumps(error_row(None, "invalid_json_line",
-                                                    f"line {ln.number}: expected a JSON object"))
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return _MISSING, "failed", None
-    problem = None
-    if obj.get("method", "POST") != "POST":
-        problem = f"line {ln.number}: method must be 'POST', got {obj.get('method')!r}"
-    elif obj.get("url") != endpoint:
-        problem = f"line {ln.number}: url must be the batch's endpoint {endpoint!r}, got {obj.get('url')!r}"
-    elif not isinstance(obj.get("body"), dict):
-        problem = f"line {ln.number}: body must be a JSON object"
-    if problem is not None:
-        return cid, "failed", json.dumps(response_row(cid, 400, {"error": {
-            "message": problem, "type": "invalid_request_error", "param": None, "code": "invalid_request"}}))
-    return cid, "pending", None
 
 
 def _batch_object(row: sqlite3.Row) -> dict[str, Any]:
