@@ -56,10 +56,12 @@ async def _call(fn, *args: Any, **kwargs: Any) -> Any:
         raise APIError(400, str(e), e.param) from None
 
 
-def batch_router(store: JobStore, *, max_in_flight: int = 32, poll_s: float = 1.0) -> APIRouter:
+def batch_router(store: JobStore, *, max_in_flight: int = 32, poll_s: float = 1.0,
+                 retry_s: float = 1.0) -> APIRouter:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runner = BatchRunner(store, ServingExecutor(app.state.serving), max_in_flight=max_in_flight, poll_s=poll_s)
+        runner = BatchRunner(store, ServingExecutor(app.state.serving), max_in_flight=max_in_flight, poll_s=poll_s,
+                             retry_s=retry_s)
         app.state.job_store = store
         app.state.batch_runner = runner
         runner.start()
