@@ -7,11 +7,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
+from engine.args import EngineArgs
+from engine.config import SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestDelta, RequestOutput
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import SchedulerConfig
 
 
 class LLM:
@@ -20,28 +20,14 @@ class LLM:
     ``LLM()`` with no model uses the built-in default pair (engine/default_models) with chain speculation.
     ``speculative_config``: a dict or JSON string, vLLM-style: ``{"method": "draft_model", "model": DIR,
     "num_speculative_tokens": K}`` plus ``tree_branching`` / ``tree_sampling`` / ``max_tree_nodes``; None
-    means no speculation (unless the default models are used).
+    means no speculation (unless the default models are used; "none" turns their draft off).
+    Keyword arguments: the fields of ``engine.args.EngineArgs`` (the CLI's flags), with the same defaults.
     """
 
     def __init__(self, target: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,
-                 *, tokenizer: str | None = None, dtype: str | None = None, device: str = "cpu",
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, num_kv_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 address: str | None = None, distributed_executor_backend: str | None = None,
-                 transport: str = "zmq", placement_timeout_s: float = 60.0) -> None:
-        if target is None:
-            target, draft = default_model_dirs()
-            if speculative_config is None:
-                speculative_config = {"method": "draft_model", "model": draft}
-        self.engine = LLMEngine(EngineConfig(
-            target=target, speculative=SpeculativeConfig.parse(speculative_config), tokenizer=tokenizer,
-            dtype=dtype, device=device, max_model_len=max_model_len,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      block_size=block_size),
-            cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, address=address,
-                                    backend=distributed_executor_backend, transport=transport,
-                                    placement_timeout_s=placement_timeout_s)))
+                 **kwargs: Any) -> None:
+        args = EngineArgs(target=target, speculative_config=speculative_config, **kwargs)
+        self.engine = LLMEngine(args.to_engine_config())
         # One engine, one caller at a time: requests of two concurrent generate() calls would share the
         # engine's queue and ids, and each call would collect the other's outputs.
         self._lock = threading.Lock()
@@ -73,7 +59,8 @@ class LLM:
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
         """Deltas of a batch as the steps produce them; request ids are the prompts' positions ("0", "1", ...).
 
-        Closing the generator early aborts the batch's unfinished requests (their KV is freed).
+        The requests are queued when iteration starts (a refused prompt raises there, and queues nothing);
+        closing the generator early aborts the batch's unfinished requests (their KV is freed).
         """
         with self._exclusive():  # taken at the first next(), held until the stream ends or is closed
             ids = self._add_all(prompts, params)

@@ -151,7 +151,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a queued or running request with reason "abort" at the start of the next step, which frees
-        its KV and returns its last delta. False when no unfinished request has this id."""
+        its KV and returns its last delta. False when no unfinished request has this id. Like every engine
+        call, from the thread that steps the engine."""
         req = self._requests.get(str(request_id))
         if req is None:
             return False

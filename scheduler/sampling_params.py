@@ -10,25 +10,36 @@ Ranges:
 - temperature: finite, 0 <= T <= MAX_TEMPERATURE; 0 (and anything below 1e-5) is greedy
 - top_p in (0, 1]; min_p in [0, 1]; top_k = -1 (off) or 1 <= top_k <= the model's vocabulary (checked by the
   engine, which knows the vocabulary; here only <= TOP_K_LIMIT)
-- seed: None or an integer that fits in 64 bits, signed or unsigned: -2**63 <= seed < 2**64
+- seed: None or a 64-bit integer: -2**63 <= seed <= 2**63 - 1 (an int64 on every path, msgpack included)
 - stop_token_ids: integers in [0, 2**63)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+# Below this temperature a request is greedy, everywhere (engine, draft and target workers; vLLM uses the same
+# epsilon): dividing logits by a tiny T only makes a one-hot with rounding noise, so we take the argmax instead.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_TEMPERATURE
+
+
+INT64_MAX = 2**63 - 1
 
 MAX_TEMPERATURE = 100.0
 MAX_TOKENS_LIMIT = 1 << 31
 TOP_K_LIMIT = (1 << 31) - 1
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+SEED_MIN, SEED_MAX = -INT64_MAX - 1, INT64_MAX
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = -1  # -1 = off, else >= 1
     min_p: float = 0.0  # [0, 1]; 0 = off
@@ -60,6 +71,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {_short(self.top_k)}")
+        # top_k and seed reach int64 tensors and msgpack frames: a larger int would fail a whole step.
         top_k_max = TOP_K_LIMIT if vocab_size is None else vocab_size
         if self.top_k > top_k_max:
             what = "the vocabulary size" if vocab_size is not None else "the limit"
@@ -70,7 +82,7 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not SEED_MIN <= self.seed <= SEED_MAX:
-                raise ValueError(f"seed must fit in 64 bits ([-2**63, 2**64 - 1]), got {_short(self.seed)}")
+                raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list):
@@ -84,16 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingParams:
-        """Build from a JSON-like dict; unknown keys are an error naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling field(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return is_greedy(self.temperature)
 
 
 def _check_int(name: str, v: object) -> None:

@@ -26,10 +26,9 @@ from scheduler.request import FinishReason, Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running set
     max_num_batched_tokens: int = 2048  # prefill chunk tokens + tree nodes per step
-    block_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")

@@ -39,7 +39,3 @@ class TreeShape:
     @property
     def num_nodes(self) -> int:
         return sum(self.level_sizes)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(w == 1 for w in self.branching)

@@ -72,17 +72,17 @@ def check_cache(worker, tables: dict[int, list[int]], requests, which: str) -> i
 def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     if case == "tree-chunked":
         speculative = spec(llama.perturbed, None, [2, 2, 1])
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12, block_size=4)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12)
         cache = CacheConfig(block_size=4)
     elif case == "chain-preempting":
         speculative = spec(llama.perturbed, 4)
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=4)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=4, num_kv_tokens=96)
     else:
         # Without replacement under top-k / top-p, a node often has fewer children than the shape allows: the
         # trees come out irregular, and so do the scratch layouts the commits must follow.
         speculative = spec(llama.perturbed, None, [3, 2, 2], sampling="without_replacement")
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=2)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=2)
     narrow = [{"top_k": 2}, {"top_p": 0.6}, {"top_k": 1}, {}, {"min_p": 0.3}]
     engine = LLMEngine(EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(speculative),

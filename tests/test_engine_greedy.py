@@ -149,7 +149,7 @@ def test_requests_arriving_while_others_run(llama, llama_expected) -> None:
     """Continuous batching: requests that join mid-flight get exactly what they get alone."""
     expected = llama_expected
     cfg = EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(spec(llama.perturbed, None, [2, 2, 1])),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                        cache=CacheConfig(block_size=4))
     engine = LLMEngine(cfg)
     outs: dict = {}

@@ -25,7 +25,7 @@ def make_req(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Request:
 
 def make_sched(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 8, nodes: int = 0,
                draft: bool = False) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=block_size)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
     return Scheduler(cfg, BlockManager(num_blocks, block_size),
                      BlockManager(num_blocks, block_size) if draft else None, nodes)
 
@@ -162,13 +162,13 @@ def test_capacity_error_names_the_sizes() -> None:
                                          r"of 16 tokens"):
         sched.add(make_req(1, 6, max_tokens=8))
     # The smaller pool decides.
-    sched = Scheduler(SchedulerConfig(block_size=4), BlockManager(8, 4), BlockManager(2, 4), 0)
+    sched = Scheduler(SchedulerConfig(), BlockManager(8, 4), BlockManager(2, 4), 0)
     with pytest.raises(ValueError, match="capacity of 8 tokens"):
         sched.add(make_req(0, 5, max_tokens=4))
 
 
 def test_scheduler_config_validation() -> None:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
         with pytest.raises(ValueError, match=name):
             SchedulerConfig(**{name: 0})
 

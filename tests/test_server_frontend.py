@@ -270,3 +270,21 @@ def test_non_loopback_bind_needs_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_api_key("0.0.0.0", "k") == "k"
     monkeypatch.setenv("SPECSERVE_API_KEY", "from-env")
     assert resolve_api_key("0.0.0.0", None) == "from-env"
+
+
+def test_serve_takes_the_engine_flags_of_generate() -> None:
+    import argparse
+    from dataclasses import fields
+
+    from engine.args import EngineArgs
+    from engine.server.cli import add_parser
+
+    parser = argparse.ArgumentParser()
+    serve = add_parser(parser.add_subparsers())
+    ns = parser.parse_args(["serve", "--max-num-seqs", "3", "-tp", "2", "--speculative-config", "none",
+                            "--port", "0", "--max-queue", "5"])
+    args = EngineArgs.from_cli_args(ns)
+    assert args.max_num_seqs == 3 and args.tensor_parallel_size == 2 and args.speculative_config == "none"
+    assert (ns.port, ns.max_queue, ns.host) == (0, 5, "127.0.0.1")
+    dests = {a.dest for a in serve._actions}
+    assert {f.name for f in fields(EngineArgs)} <= dests

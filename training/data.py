@@ -74,6 +74,14 @@ def train_tokenizer(files: list[SourceFile], vocab_size: int) -> Tokenizer:
     return tok
 
 
+# Chat for a code model: system and user messages become Python comments, assistant messages are code, and the
+# model continues with code after the last comment (``specserve serve``'s /v1/chat/completions uses it).
+CHAT_TEMPLATE = ('{% for message in messages %}'
+                 "{% if message['role'] == 'assistant' %}{{ message['content'] }}\n"
+                 "{% else %}# {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+                 '{% endif %}{% endfor %}')
+
+
 def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
     """Save in Hugging Face format (tokenizer.json + tokenizer_config.json + special_tokens_map.json)."""
     from transformers import PreTrainedTokenizerFast
@@ -93,6 +101,7 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> N
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 

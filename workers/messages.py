@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.sampling_params import is_greedy
+
 
 @dataclass
 class SamplingSpec:
@@ -16,7 +18,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return is_greedy(self.temperature)
 
 
 @dataclass

@@ -18,25 +18,26 @@ DEFAULT_SERVED_NAME = "specserve-default"  # the built-in pair's name in /v1/mod
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from engine.cli import _add_engine_args
+    from engine.args import EngineArgs
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
-    _add_engine_args(p)
+    EngineArgs.add_cli_args(p)  # the same engine flags as `specserve generate`
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind; anything but a loopback address needs --api-key (or SPECSERVE_API_KEY)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--port", type=int, default=8000, metavar="N", help="0 picks a free port (printed when ready)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECSERVE_API_KEY, if set)")
-    p.add_argument("--served-model-name", default=None,
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help=f"the model name clients send (default: --target as given, or {DEFAULT_SERVED_NAME!r})")
-    p.add_argument("--max-queue", type=int, default=256,
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests that may wait for a running slot; beyond it the server answers 429 with "
                         "Retry-After")
-    p.add_argument("--retry-after", type=float, default=1.0, help="seconds suggested in 429 Retry-After")
-    p.add_argument("--data-dir", default=None,
+    p.add_argument("--retry-after", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds suggested in 429 Retry-After")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where the Batch API keeps its files and job store (SQLite); jobs left unfinished there "
                         "resume on start (default: the user data directory's 'specserve' folder)")
-    p.add_argument("--batch-max-in-flight", type=int, default=None,
+    p.add_argument("--batch-max-in-flight", type=int, default=None, metavar="N",
                    help="batch-job requests in the engine at once (default: 2 x --max-num-seqs); fewer keeps online "
                         "latency lower while a job runs, at the job's expense")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
@@ -68,7 +69,7 @@ def _log_config(level: str) -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.cli import engine_config_from_args
+    from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
@@ -85,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.server.batches import batch_router
 
     job_store = JobStore(args.data_dir or default_data_dir())  # an unusable data dir fails before the model loads
-    config = engine_config_from_args(args)
+    config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine(config)
     try:

@@ -6,6 +6,8 @@ Routes only parse (pydantic, via FastAPI) and hand over to ``Serving``; the app 
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
@@ -20,27 +22,28 @@ def get_serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
+ServingDep = Annotated[Serving, Depends(get_serving)]
+
+
 @router.post("/v1/completions")
-async def create_completion(body: CompletionRequest, raw: Request,
-                            serving: Serving = Depends(get_serving)) -> Response:
+async def create_completion(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
     return await serving.completions(body, raw)
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, raw: Request,
-                                 serving: Serving = Depends(get_serving)) -> Response:
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     return await serving.chat(body, raw)
 
 
 @router.get("/v1/models")
-async def list_models(serving: Serving = Depends(get_serving)) -> ModelList:
+async def list_models(serving: ServingDep) -> ModelList:
     cfg = serving.config
     return ModelList(data=[ModelCard(id=cfg.served_model_name, root=cfg.model_path,
                                      max_model_len=serving.engine.max_model_len)])
 
 
 @router.get("/health")
-async def health(serving: Serving = Depends(get_serving)) -> Response:
+async def health(serving: ServingDep) -> Response:
     engine = serving.engine
     if engine.is_ready:
         return JSONResponse({"status": "ok"})

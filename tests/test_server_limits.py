@@ -1,0 +1,71 @@
+"""``specserve serve`` with a key and a tiny queue, on the built-in pair: 401 without the key, 429 past the queue
+bound, and a non-loopback bind refused without a key."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers_server import SubprocessServer, metric_value, wait_until
+
+KEY = "test-key-7f3a"
+MODEL = "specserve-default"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # One running slot and one waiting place; the key from the environment, as a deployment would set it.
+    srv = SubprocessServer("--max-num-seqs", "1", "--max-queue", "1", "--retry-after", "2",
+                           env={"OMP_NUM_THREADS": "1", "SPECSERVE_API_KEY": KEY})
+    yield srv
+    assert srv.stop() in (0, -15) and "Traceback" not in srv.stderr, srv.stderr[-3000:]
+
+
+def test_401_without_the_key(server) -> None:
+    for key in ("wrong", KEY[:-1], KEY + "x"):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0).models.list()
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.post(server.url + "/v1/chat/completions", json={}).status_code == 401
+    # /health and /metrics stay open (probes and scrapers carry no key).
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert metric_value(httpx.get(server.url + "/metrics").text, "specserve:request_errors_total",
+                        {"error": "unauthorized"}) >= 5
+    ok = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    assert ok.completions.create(model=MODEL, prompt="def f():", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_429_past_the_queue_bound(server) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long = {"model": MODEL, "prompt": "def f():", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    url = server.url + "/v1/completions"
+    with httpx.Client(timeout=60, headers=auth) as http:
+        with http.stream("POST", url, json=long) as a:
+            lines_a = a.iter_lines()  # kept: dropping the iterator would close the connection
+            next(lines_a)
+            wait_until(lambda: metric_value(http.get(server.url + "/metrics").text,
+                                            "specserve:num_requests_running") == 1, what="A running")
+            with http.stream("POST", url, json=long) as b:
+                assert b.status_code == 200  # B takes the one waiting place
+                client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+                with pytest.raises(openai.RateLimitError) as exc:
+                    client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+                assert exc.value.response.headers["retry-after"] == "2"
+                text = http.get(server.url + "/metrics").text
+                assert metric_value(text, "specserve:num_requests_waiting") == 1
+                assert metric_value(text, "specserve:request_errors_total", {"error": "overloaded"}) == 1
+        wait_until(lambda: metric_value(http.get(server.url + "/metrics").text,
+                                        "specserve:num_requests_running") == 0, what="A and B aborted")
+        r = http.post(url, json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+
+def test_non_loopback_bind_needs_a_key(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli import main
+
+    monkeypatch.delenv("SPECSERVE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2  # refused before any model is loaded
+    out = capsys.readouterr()
+    assert out.out == "" and "--api-key" in out.err and "0.0.0.0" in out.err
