@@ -243,10 +243,16 @@ def test_api_key_guards_v1_but_not_health_or_metrics() -> None:
 
 
 def test_a_failed_step_fails_open_requests_and_health() -> None:
-    engine = FakeEngine(step_s=0.01, fail_at_step=3)
+    engine = FakeEngine(step_s=0.01, fail_at_step=4)
     app, ae = fake_app(engine)
     srv = ThreadServer(app)
     try:
+        # A stream that was running when the step failed ends with an error event (and no [DONE]).
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 20, "stream": True},
+                       timeout=30)
+        events = _sse_events(r.text)
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "abc"
+        assert "worker died" in json.loads(events[-1])["error"]["message"] and "[DONE]" not in r.text
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 20}, timeout=30)
         assert r.status_code == 503 and "worker died" in r.json()["error"]["message"]
         h = httpx.get(srv.url + "/health")
