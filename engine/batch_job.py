@@ -226,7 +226,9 @@ def resume_point(path: str, lines: Iterable[str | JsonlLine]) -> ResumePoint:
             try:
                 row = json.loads(raw)
             except ValueError:
-                raise ValueError(f"--resume: line {kept + 1} of {path} is not a result line") from None
+                row = None
+            if not isinstance(row, dict):
+                raise ValueError(f"--resume: line {kept + 1} of {path} is not a result line")
             if isinstance(row.get("error"), str) and row["error"].startswith(NOT_FINISHED):
                 break
             expected = next(ids, None)
