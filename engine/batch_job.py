@@ -1,8 +1,14 @@
-"""The JSONL batch job behind ``specserve generate``: parse lines, run them all, write results in input order.
+"""The JSONL batch job behind ``specserve generate``: stream lines in, write results in input order as they finish.
 
-A bad line (malformed JSON, an unknown field, a value out of range, a prompt too long) gets an error line of
-its own; every other request still completes. If the engine itself fails mid-job, the requests that finished
-are still written and the unfinished ones get an error line.
+Durability: each result is written and flushed as soon as every line before it is written, so a job killed at
+any moment (SIGKILL included) leaves a prefix of the full output, in order; ``--resume`` continues after it.
+Memory is bounded: at most ``window`` lines are read ahead of the last one written, so neither the input nor
+the results are ever held whole.
+
+A bad line (not UTF-8, malformed or too deeply nested JSON, an unknown field, a value out of range, a prompt the
+tokenizer refuses or too long) gets an error line of its own; every other request still completes. If the
+engine itself fails mid-job, the requests that finished are still written and the unfinished ones get an error
+line starting with ``not finished:`` (``--resume`` runs those again).
 """
 
 from __future__ import annotations
@@ -10,16 +16,23 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from engine.llm_engine import LLMEngine
+from engine.jsonl import JsonlLine, loads
+from engine.llm_engine import EngineDeadError, LLMEngine
 from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_token_ids")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos")
+NOT_FINISHED = "not finished:"
+
+
+class OutputWriteError(OSError):
+    """The output file could not be written (disk full, file system gone): lines written so far are intact."""
 
 
 @dataclass
@@ -31,15 +44,22 @@ class ParsedLine:
     error: str | None = None
 
 
-def parse_line(index: int, line: str, defaults: dict[str, Any]) -> ParsedLine:
+def parse_line(index: int, line: str | JsonlLine, defaults: dict[str, Any]) -> ParsedLine:
     fallback_id = str(index)
+    if isinstance(line, JsonlLine):
+        if line.text is None:
+            return ParsedLine(index, fallback_id, error=line.error)
+        line = line.text
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
+        obj = loads(line)
+    except ValueError as e:
         return ParsedLine(index, fallback_id, error=f"line {index + 1}: malformed JSON: {e}")
     if not isinstance(obj, dict):
         return ParsedLine(index, fallback_id, error=f"line {index + 1}: expected a JSON object")
-    rid = str(obj.get("id", fallback_id))
+    rid = obj.get("id", fallback_id)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        return ParsedLine(index, fallback_id, error="id must be a string or an integer")
+    rid = str(rid)
     unknown = sorted(set(obj) - set(REQUEST_FIELDS) - set(SAMPLING_FIELDS))
     if unknown:
         return ParsedLine(index, rid, error=f"unknown field(s) {unknown}; allowed: "
@@ -69,53 +89,111 @@ def output_line(out: RequestOutput) -> dict[str, Any]:
     return line
 
 
-def run_batch(engine: LLMEngine, lines: list[str], out: IO[str], defaults: dict[str, Any],
-              progress: bool = True) -> dict[str, Any]:
-    """Runs every request; returns a summary (counts, tokens/s, speculation statistics)."""
-    parsed = [parse_line(i, ln, defaults) for i, ln in enumerate(ln for ln in lines if ln.strip())]
-    results: dict[int, dict[str, Any]] = {}
-    key_of: dict[str, int] = {}
-    for p in parsed:
-        if p.error is None:
+def _nonblank(lines: Iterable[str | JsonlLine]) -> Iterator[str | JsonlLine]:
+    for ln in lines:
+        if not (ln.blank if isinstance(ln, JsonlLine) else not ln.strip()):
+            yield ln
+
+
+class _OrderedWriter:
+    """Writes results in input order as soon as the next one is ready; each line is flushed at once."""
+
+    def __init__(self, out: IO[str], first_index: int) -> None:
+        self.out = out
+        self.next = first_index
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.written = self.errors = 0
+
+    def put(self, index: int, line: dict[str, Any]) -> None:
+        self.pending[index] = line
+        while self.next in self.pending:
+            row = self.pending.pop(self.next)
             try:
-                # Engine-internal ids are the line index, so duplicate user ids cannot collide.
-                engine.add_request(str(p.index), p.prompt, p.params)
-                key_of[str(p.index)] = p.index
-            except ValueError as e:
-                p.error = str(e)
-        if p.error is not None:
-            results[p.index] = {"id": p.request_id, "error": p.error}
+                self.out.write(json.dumps(row) + "\n")  # ASCII: a lone surrogate in an id cannot fail
+                self.out.flush()
+            except OSError as e:
+                raise OutputWriteError(e.errno, f"writing the output failed after {self.written} lines "
+                                                f"({e.strerror or e})") from e
+            self.written += 1
+            self.errors += "error" in row
+            self.next += 1
+
+
+def run_batch(engine: LLMEngine, lines: Iterable[str | JsonlLine], out: IO[str], defaults: dict[str, Any],
+              progress: bool = True, *, skip: int = 0, total: int | None = None,
+              window: int | None = None) -> dict[str, Any]:
+    """Runs every non-blank line after the first ``skip``; returns a summary (counts, tokens/s, speculation).
+
+    ``window``: how many lines may be read ahead of the last one written (default 4 x max_num_seqs).
+    Raises OutputWriteError when the output cannot be written; everything written before stays valid.
+    """
+    window = window or 4 * engine.config.scheduler.max_num_seqs
+    source: Iterator[ParsedLine] = (parse_line(i, ln, defaults) for i, ln in enumerate(_nonblank(lines)))
+    for _ in range(skip):
+        next(source, None)
+    writer = _OrderedWriter(out, skip)
+    user_id: dict[str, ParsedLine] = {}  # engine id (the line index) -> the line; in flight only
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(key_of), desc="generate", unit="req", file=sys.stderr)
+        bar = tqdm(total=None if total is None else max(total - skip, 0), desc="generate", unit="req",
+                   file=sys.stderr)
     start = time.perf_counter()
-    generated = 0
+    generated = read = 0
     failure: Exception | None = None
+    exhausted = False
     try:
-        while engine.has_unfinished:
+        while True:
+            # Read ahead while the window allows: parse errors are written at once, the rest queued.
+            while not exhausted and (skip + read) - writer.next < window:
+                p = next(source, None)
+                if p is None:
+                    exhausted = True
+                    break
+                read += 1
+                if p.error is None:
+                    try:
+                        # Engine ids are the line index, so duplicate user ids cannot collide.
+                        engine.add_request(str(p.index), p.prompt, p.params)
+                        user_id[str(p.index)] = p
+                    except EngineDeadError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - refused for this line only (ValueError, tokenizer)
+                        p.error = str(e)
+                if p.error is not None:
+                    writer.put(p.index, {"id": p.request_id, "error": p.error})
+                    if bar is not None:
+                        bar.update(1)
+            if not engine.has_unfinished:
+                if exhausted:
+                    break
+                continue
             for o in engine.step_finished():
-                idx = key_of[o.request_id]
-                o.request_id = parsed[idx].request_id
-                results[idx] = output_line(o)
+                p = user_id.pop(o.request_id)
+                o.request_id = p.request_id
                 generated += len(o.token_ids)
+                writer.put(p.index, output_line(o))
                 if bar is not None:
                     bar.update(1)
+    except OutputWriteError:
+        raise
     except Exception as e:
         # The engine is dead (EngineDeadError from now on), but the requests that finished are kept: they
-        # are written with the others, and only the unfinished ones get an error line.
+        # are written with the others, and every line not finished gets an error line.
         failure = e
     elapsed = time.perf_counter() - start
+    if failure is not None:
+        reason = f"{NOT_FINISHED} the engine failed ({type(failure).__name__}: {failure})"
+        for p in user_id.values():
+            writer.put(p.index, {"id": p.request_id, "error": reason})
+        for p in source:
+            writer.put(p.index, {"id": p.request_id, "error": p.error or reason})
     if bar is not None:
         bar.close()
-    for i, p in enumerate(parsed):
-        if i not in results:
-            results[i] = {"id": p.request_id, "error": f"not finished: the engine failed ({type(failure).__name__}: "
-                                                      f"{failure})"}
-        out.write(json.dumps(results[i]) + "\n")
     return {
-        "requests": len(parsed),
-        "errors": sum(1 for r in results.values() if "error" in r),
+        "requests": writer.written,
+        "errors": writer.errors,
+        **({"skipped": skip} if skip else {}),
         **({"engine_error": f"{type(failure).__name__}: {failure}"} if failure is not None else {}),
         "generated_tokens": generated,
         "elapsed_s": round(elapsed, 3),
@@ -124,3 +202,42 @@ def run_batch(engine: LLMEngine, lines: list[str], out: IO[str], defaults: dict[
         "time_breakdown": engine.times.as_dict(),
         **({"pipeline": engine.pipeline.stats.as_dict()} if engine.pipeline is not None else {}),
     }
+
+
+@dataclass
+class ResumePoint:
+    lines: int  # leading output lines kept
+    errors: int  # how many of them are error lines
+
+
+def resume_point(path: str, lines: Iterable[str | JsonlLine]) -> ResumePoint:
+    """How many leading lines of an earlier run's output to keep; truncates the file after them.
+
+    Kept: complete lines (a SIGKILL can leave the last one half-written) up to the first ``not finished`` error
+    (the engine failed there: those lines run again). Each kept line's id must be the id its input line gets,
+    or the output belongs to another input and ValueError says where they part.
+    """
+    kept_bytes = kept = errors = 0
+    ids = (parse_line(i, ln, {}).request_id for i, ln in enumerate(_nonblank(lines)))
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # half-written by a killed run
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict):
+                raise ValueError(f"--resume: line {kept + 1} of {path} is not a result line")
+            if isinstance(row.get("error"), str) and row["error"].startswith(NOT_FINISHED):
+                break
+            expected = next(ids, None)
+            if row.get("id") != expected:
+                raise ValueError(f"--resume: line {kept + 1} of {path} has id {row.get('id')!r} but input line "
+                                 f"{kept + 1} has {expected!r}: the output is from another input")
+            kept += 1
+            errors += "error" in row
+            kept_bytes += len(raw)
+    with open(path, "r+b") as f:
+        f.truncate(kept_bytes)
+    return ResumePoint(kept, errors)

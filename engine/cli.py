@@ -3,32 +3,73 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 
+from engine import batch_cli
 from engine.args import EngineArgs
-from engine.batch_job import run_batch
+from engine.batch_job import OutputWriteError, ResumePoint, resume_point, run_batch
+from engine.jsonl import count_lines, iter_lines
 from engine.llm_engine import LLMEngine
 from engine.server import cli as server_cli
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Exit status: 0 every line succeeded; 1 some lines have error lines (or the engine failed mid-job);
+    2 nothing ran (bad arguments, unreadable input, unwritable output, the model failed to load);
+    3 the output could not be written mid-job (disk full): the lines written are intact, rerun with --resume."""
     defaults = {k: v for k, v in {"max_tokens": args.max_tokens, "temperature": args.temperature}.items()
                 if v is not None}
-    with open(args.input, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    engine = LLMEngine(EngineArgs.from_cli_args(args).to_engine_config())
+    with open(args.input, "rb"):  # readable before anything else is done
+        pass
+    resumed = ResumePoint(0, 0)
+    if args.resume and os.path.exists(args.output):
+        with open(args.input, "rb") as f:
+            resumed = resume_point(args.output, iter_lines(f))
+    # Opened (so checked writable) before the model loads: a bad path fails in a second, not after loading.
+    out = open(args.output, "a" if args.resume else "w", encoding="utf-8")  # noqa: SIM115 - closed below
     try:
-        with open(args.output, "w", encoding="utf-8") as out:
-            summary = run_batch(engine, lines, out, defaults, progress=not args.no_progress)
+        total = None if args.no_progress else count_lines(args.input)
+        engine = LLMEngine(EngineArgs.from_cli_args(args).to_engine_config())
+        try:
+            with _sigterm_as_exit(), open(args.input, "rb") as f:
+                summary = run_batch(engine, iter_lines(f), out, defaults, progress=not args.no_progress,
+                                    skip=resumed.lines, total=total)
+        except OutputWriteError as e:
+            print(f"specserve: error: {e.strerror}; the lines written to {args.output} are complete and in "
+                  "order: free space and rerun with --resume", file=sys.stderr)
+            return 3
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        with contextlib.suppress(OSError):  # each line was flushed; only a failed write can be left to retry
+            out.close()
+    if resumed.lines:  # the whole output's counts: the kept lines are part of the result
+        summary["requests"] += resumed.lines
+        summary["errors"] += resumed.errors
     print(json.dumps(summary), file=sys.stderr)
     if "engine_error" in summary:
-        print(f"specserve: error: {summary['engine_error']} (finished requests were written to {args.output})",
-              file=sys.stderr)
+        print(f"specserve: error: {summary['engine_error']} (finished requests were written to {args.output}; "
+              "--resume runs the unfinished ones)", file=sys.stderr)
         return 1
-    return 0
+    return 1 if summary["errors"] else 0
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit():
+    """SIGTERM unwinds like Ctrl-C (workers shut down); every line written so far is already flushed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -55,16 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines without one")
     g.add_argument("--temperature", type=float, default=None, help="default temperature for lines without one")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the lines an earlier (killed) run wrote to --output and run only the rest")
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="benchmarks: 'compare' runs every decoding mode side by side")
     b.add_argument("name", choices=["compare", "serve", "sweep"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
     server_cli.add_parser(sub)
+    batch_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+    except (ValueError, OSError, RuntimeError, TimeoutError) as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
 

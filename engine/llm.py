@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -26,6 +28,10 @@ class LLM:
                  **kwargs: Any) -> None:
         args = EngineArgs(target=target, speculative_config=speculative_config, **kwargs)
         self.engine = LLMEngine(args.to_engine_config())
+        # One engine, one caller at a time: requests of two concurrent generate() calls would share the
+        # engine's queue and ids, and each call would collect the other's outputs.
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id holding the lock
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and placement groups, sockets)."""
@@ -45,8 +51,9 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or a single list of ints is one prompt."""
-        n = len(self._add_all(prompts, params))
-        return self.run(n, use_tqdm)
+        with self._exclusive():
+            n = len(self._add_all(prompts, params))
+            return self.run(n, use_tqdm)
 
     def stream(self, prompts: str | list[int] | Sequence[str | list[int]],
                params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
@@ -55,21 +62,36 @@ class LLM:
         The requests are queued when iteration starts (a refused prompt raises there, and queues nothing);
         closing the generator early aborts the batch's unfinished requests (their KV is freed).
         """
-        ids = self._add_all(prompts, params)
-        done: set[str] = set()
-        try:
-            while self.engine.has_unfinished:
-                for d in self.engine.step():
-                    if d.finished:
-                        done.add(d.request_id)
-                    yield d
-        finally:
-            pending = [i for i in ids if i not in done]
-            if pending and self.engine.is_alive:
-                for i in pending:
-                    self.engine.abort_request(i)
+        with self._exclusive():  # taken at the first next(), held until the stream ends or is closed
+            ids = self._add_all(prompts, params)
+            done: set[str] = set()
+            try:
                 while self.engine.has_unfinished:
-                    self.engine.step()
+                    for d in self.engine.step():
+                        if d.finished:
+                            done.add(d.request_id)
+                        yield d
+            finally:
+                pending = [i for i in ids if i not in done]
+                if pending and self.engine.is_alive:
+                    for i in pending:
+                        self.engine.abort_request(i)
+                    while self.engine.has_unfinished:
+                        self.engine.step()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One generate/stream at a time: another thread waits its turn; the same thread (an unfinished
+        stream, then another call) is refused, since waiting would deadlock and sharing would mix results."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError("this LLM is already running a generate() or stream() in this thread (an "
+                               "unfinished stream?): finish or close it first")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     def _add_all(self, prompts, params) -> list[str]:
         """Queue one request per prompt, all or nothing; their ids."""

@@ -103,13 +103,21 @@ class LLMEngine:
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
 
     # ----------------------------------------------------------------------------------------------- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and queue; raises ValueError naming the field and the limit."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0) -> Request:
+        """Validate and queue; raises ValueError naming the field and the limit.
+
+        ``priority``: lower is admitted first (and preempted last); batch jobs use 1, online requests 0.
+        """
         self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
+        params.validate(self.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
-            token_ids = self.tokenizer.encode(prompt)
+            token_ids = self._encode(prompt)
         else:
             token_ids = list(prompt)
         if not token_ids:
@@ -123,7 +131,9 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
-        req = Request(next(self._seq_ids), request_id, token_ids, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -133,6 +143,16 @@ class LLMEngine:
         self._stop[req.seq_id] = checker
         self._requests[request_id] = req
         return req
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"), e.g. from a JSON escape
+            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})") from None
+        try:
+            return list(self.tokenizer.encode(prompt))
+        except Exception as e:  # the tokenizer refuses this one prompt; the engine and its batch are fine
+            raise ValueError(f"prompt: the tokenizer refused it ({type(e).__name__}: {e})") from None
 
     def withdraw_queued(self, req: Request) -> None:
         """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""

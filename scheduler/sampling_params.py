@@ -1,4 +1,18 @@
-"""Per-request sampling settings, validated where they enter (stdlib only)."""
+"""Per-request sampling settings, validated where they enter (stdlib only).
+
+Every bound is checked in ``validate()``, which runs at construction and again when the engine accepts the
+request (``LLMEngine.add_request``), so a field changed after construction cannot reach the workers: a value
+the workers cannot represent (a top_k past int64, a seed past 64 bits on the msgpack wire) would otherwise
+fail a whole step, and with it every request in flight.
+
+Ranges:
+- max_tokens: integer, 1 <= max_tokens <= MAX_TOKENS_LIMIT (the KV pool bounds it further at admission)
+- temperature: finite, 0 <= T <= MAX_TEMPERATURE; 0 (and anything below 1e-5) is greedy
+- top_p in (0, 1]; min_p in [0, 1]; top_k = -1 (off) or 1 <= top_k <= the model's vocabulary (checked by the
+  engine, which knows the vocabulary; here only <= TOP_K_LIMIT)
+- seed: None or a 64-bit integer: -2**63 <= seed <= 2**63 - 1 (an int64 on every path, msgpack included)
+- stop_token_ids: integers in [0, 2**63)
+"""
 
 from __future__ import annotations
 
@@ -16,6 +30,11 @@ def is_greedy(temperature: float) -> bool:
 
 INT64_MAX = 2**63 - 1
 
+MAX_TEMPERATURE = 100.0
+MAX_TOKENS_LIMIT = 1 << 31
+TOP_K_LIMIT = (1 << 31) - 1
+SEED_MIN, SEED_MAX = -INT64_MAX - 1, INT64_MAX
+
 
 @dataclass
 class SamplingParams:
@@ -32,34 +51,46 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field and its range; ``vocab_size`` also bounds top_k."""
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens must be >= 1, got {_short(self.max_tokens)}")
+        if self.max_tokens > MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens must be <= {MAX_TOKENS_LIMIT}, got {_short(self.max_tokens)}")
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
         _check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {_short(self.top_k)}")
         # top_k and seed reach int64 tensors and msgpack frames: a larger int would fail a whole step.
-        if self.top_k > INT64_MAX:
-            raise ValueError(f"top_k must be at most 2**63 - 1 (any k >= the vocabulary is off), got {self.top_k}")
+        top_k_max = TOP_K_LIMIT if vocab_size is None else vocab_size
+        if self.top_k > top_k_max:
+            what = "the vocabulary size" if vocab_size is not None else "the limit"
+            raise ValueError(f"top_k must be <= {top_k_max} ({what}), got {_short(self.top_k)}")
         _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
-            if not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
-                raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {self.seed}")
+            if not SEED_MIN <= self.seed <= SEED_MAX:
+                raise ValueError(f"seed must be a 64-bit integer in [-2**63, 2**63 - 1], got {_short(self.seed)}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list):
             raise ValueError("stop_token_ids must be a list of token ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
+            if not 0 <= t < 1 << 63:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {_short(t)}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
@@ -74,5 +105,19 @@ def _check_int(name: str, v: object) -> None:
 
 
 def _check_float(name: str, v: object) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"{name} must be a finite number, got {v!r}")
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an int too large for a float (JSON allows 1e400 as an integer literal)
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number, got {_short(v)}")
+
+
+def _short(v: object) -> str:
+    """repr, shortened: a 5000-digit integer should not fill the error message (or exceed the int->str limit)."""
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    s = repr(v)
+    return s if len(s) <= 40 else s[:20] + "..." + f" ({len(s)} digits)"

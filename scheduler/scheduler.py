@@ -10,6 +10,11 @@ Each step:
 
 After the workers ran the batch, ``update_from_output`` applies its results: the scheduler is the only place
 that moves a request's cache counters (``num_cached_target`` / ``num_cached_draft``).
+
+Priority: ``Request.priority`` orders the waiting queue (lower first; arrival order within a priority), and a
+waiting request that finds the running set full of lower-priority work (higher number) preempts the newest of
+it. Batch jobs run at a lower priority than online requests this way, so interactive latency holds while a
+job runs; preemption victims are always chosen lowest priority first.
 """
 
 from __future__ import annotations
@@ -93,7 +98,19 @@ class Scheduler:
             raise ValueError(f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens "
                              f"({req.params.max_tokens}) + scratch nodes = {need} exceeds the "
                              f"KV cache capacity of {self.capacity_slots} tokens")
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        """Into the waiting queue by priority: behind every request of the same priority (``front``: before)."""
+        w = self.waiting
+        i = len(w)
+        while i > 0 and (w[i - 1].priority > req.priority or (front and w[i - 1].priority == req.priority)):
+            i -= 1
+        w.insert(i, req)
+
+    def _victim(self) -> Request:
+        """The running request to preempt: lowest priority first, then the most recent arrival."""
+        return max(self.running, key=lambda r: (r.priority, r.stats.arrival_time, r.seq_id))
 
     @property
     def has_unfinished(self) -> bool:
@@ -132,11 +149,18 @@ class Scheduler:
         req.num_cached_draft = 0
         req.status = RequestStatus.WAITING
         self.running.remove(req)
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
 
     def schedule(self) -> ScheduledBatch:
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        # A full running set of lower-priority work yields one slot to a higher-priority arrival.
+        if (self.waiting and len(self.running) >= self.config.max_num_seqs
+                and self.waiting[0].priority < self._victim().priority):
+            victim = self._victim()
+            self._preempt(victim)
+            out.preempted.append(victim)
+        short_of_kv = False
         decoding = [r for r in self.running if not r.is_prefilling]
         for req in list(decoding):
             if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
@@ -146,7 +170,8 @@ class Scheduler:
             slots = req.num_tokens + nodes  # every token so far (committed + in flight) plus the tree
             draft_slots = req.num_tokens + self._draft_nodes(nodes)
             while not self._fits(req, slots, draft_slots):
-                victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
+                victim = self._victim()
+                short_of_kv = True
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -159,7 +184,7 @@ class Scheduler:
         candidates = [r for r in self.running if r.is_prefilling]
         # No admissions in a step that had to preempt: the pool is short, and a victim re-admitted at once would
         # be recomputed now only to be preempted again by the next round (thrashing).
-        while self.waiting and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and not short_of_kv and len(self.running) < self.config.max_num_seqs:
             # Admit in arrival order only while the head fits; skipping it would starve long prompts.
             head = self.waiting[0]
             if not self._fits(head, min(head.prefill_end, max(budget, 1))):
@@ -188,7 +213,7 @@ class Scheduler:
                                   f"(target pool {self.target_blocks.num_blocks} blocks of "
                                   f"{self.target_blocks.block_size})")
             # Partly prefilled requests hold the whole pool between them: recompute the newest later.
-            victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
+            victim = self._victim()
             self._preempt(victim)
             return self.schedule()
         return out

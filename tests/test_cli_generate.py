@@ -26,7 +26,7 @@ def test_generate_on_the_builtin_pair_with_bad_lines(tmp_path: Path, capsys: pyt
     ]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    assert main(["generate", "--input", str(src), "--output", str(dst), "--no-progress"]) == 0
+    assert main(["generate", "--input", str(src), "--output", str(dst), "--no-progress"]) == 1  # error lines
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [o["id"] for o in out] == [shipped[0]["id"], "1", "unknown", shipped[1]["id"], "top_p", "vocab",
                                      shipped[2]["id"]]  # input order; the blank line is skipped

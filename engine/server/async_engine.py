@@ -52,6 +52,7 @@ class _Add:
     prompt: str | list[int]
     params: Any  # SamplingParams
     arrival: float  # time.monotonic() at the front end
+    priority: int = 0  # lower is admitted first: batch jobs (engine/batch_runner.py) use 1
 
 
 @dataclass
@@ -169,7 +170,7 @@ class AsyncEngine:
 
     # -------------------------------------------------------------------------------------- the front end
     async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
-                          arrival: float | None = None) -> RequestStream:
+                          arrival: float | None = None, priority: int = 0) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it.
 
         Raises QueueFullError (too many waiting), ValueError (the engine refused it: names the field and the
@@ -184,7 +185,8 @@ class AsyncEngine:
             raise QueueFullError(waiting, self.max_queue, self.retry_after_s)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt, params, time.monotonic() if arrival is None else arrival))
+        self._inbox.put(_Add(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
+                             priority))
         try:
             ack = await stream.queue.get()
         except asyncio.CancelledError:
@@ -288,7 +290,9 @@ class AsyncEngine:
                 self.metrics.observe_finished("abort", time.monotonic() - timing.arrival, None, 0)
             return None
         try:
-            engine.add_request(cmd.request_id, cmd.prompt, cmd.params)
+            # priority only when set: an engine without priorities (a test double) still serves online traffic
+            extra = {"priority": cmd.priority} if cmd.priority else {}
+            engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **extra)
         except Exception as e:  # ValueError: refused (a 400); anything else fails this request alone
             if not isinstance(e, ValueError):
                 logger.exception("add_request failed for %s", cmd.request_id)

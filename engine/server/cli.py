@@ -34,6 +34,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "Retry-After")
     p.add_argument("--retry-after", type=float, default=1.0, metavar="SECONDS",
                    help="seconds suggested in 429 Retry-After")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where the Batch API keeps its files and job store (SQLite); jobs left unfinished there "
+                        "resume on start (default: the user data directory's 'specserve' folder)")
+    p.add_argument("--batch-max-in-flight", type=int, default=None, metavar="N",
+                   help="batch-job requests in the engine at once (default: 2 x --max-num-seqs); fewer keeps online "
+                        "latency lower while a job runs, at the job's expense")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
@@ -76,6 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
+    from engine.jobs import JobStore, default_data_dir
+    from engine.server.batches import batch_router
+
+    job_store = JobStore(args.data_dir or default_data_dir())  # an unusable data dir fails before the model loads
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine(config)
@@ -84,8 +94,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
                                    metrics=metrics)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
+        # Twice the running set in flight by default: the engine stays full of batch work, its waiting queue short.
+        batches = batch_router(job_store, max_in_flight=args.batch_max_in_flight or 2 * config.scheduler.max_num_seqs)
         app = build_app(async_engine, ServerConfig(name, os.path.abspath(config.target)), tokenizer,
-                        api_key=api_key)
+                        api_key=api_key, extra_routers=[batches])
     except BaseException:
         engine.shutdown()
         raise

@@ -122,9 +122,10 @@ class Serving:
             raise APIError(400, str(e), param_of(str(e), set(type(req).model_fields))) from e
 
     async def submit(self, base_id: str, prompts: list[list[int]], params: list[Any],
-                     field: str) -> list[RequestStream]:
-        """Queue every prompt at once (one engine iteration acknowledges them all); all or nothing."""
-        results = await asyncio.gather(*[self.engine.add_request(f"{base_id}-{i}", p, sp)
+                     field: str, priority: int = 0) -> list[RequestStream]:
+        """Queue every prompt at once (one engine iteration acknowledges them all); all or nothing.
+        ``priority``: 0 online; batch jobs submit at 1 so online requests go first."""
+        results = await asyncio.gather(*[self.engine.add_request(f"{base_id}-{i}", p, sp, priority=priority)
                                          for i, (p, sp) in enumerate(zip(prompts, params, strict=True))],
                                        return_exceptions=True)
         streams = [r for r in results if isinstance(r, RequestStream)]
