@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine import codec
+from engine.frames import FrameAuth
 from workers.messages import RoundResult, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -42,8 +43,9 @@ def node_ip() -> str:
 class WorkerProcess:
     """Wrapped by ``ray.remote`` in engine/ray_executor.py (no Ray decorator here: no import-time side effects)."""
 
-    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int) -> None:
+    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
         self.role = role
+        self.secret = secret  # signs and checks every zmq frame (engine/frames.py)
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -114,31 +116,43 @@ class WorkerProcess:
         except Exception:  # the controller re-raises it with the worker's traceback
             return codec.encode(WorkerReply(error=f"{self.role} rank {self.rank}: {traceback.format_exc()}"))
 
-    def serve(self, controller_addr: str) -> str:
-        """Start the zmq loop in a thread; returns the address the controller should push frames to."""
+    def watch(self) -> None:
+        """Never returns while this worker lives: the controller holds the call's reference, which Ray fails
+        the moment the process dies (engine/liveness.py). Takes one of the actor's concurrency slots."""
+        self._stop.wait()
+
+    def serve(self, controller_addr: str, loopback: bool, tag: bytes) -> str:
+        """Start the zmq loop in a thread; returns the address the controller should push frames to.
+        ``loopback``: the controller and every worker share this machine, so bind 127.0.0.1 only. ``tag``: how
+        replies name their sender (role and generation: the controller ignores a replaced worker's replies)."""
         import zmq
 
+        bind_host = "127.0.0.1" if loopback else node_ip()
         ctx = zmq.Context.instance()
         pull = ctx.socket(zmq.PULL)
-        port = pull.bind_to_random_port(f"tcp://{node_ip()}")
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
         push = ctx.socket(zmq.PUSH)
         push.connect(controller_addr)
+        auth = FrameAuth(self.secret, f"{self.role} rank {self.rank}")
 
         def loop() -> None:
             while not self._stop.is_set():
-                op, payload = pull.recv_multipart()
+                parts = auth.open(pull.recv_multipart(), 2)
+                if parts is None:  # not from our controller: logged, never acted on
+                    continue
+                op, payload = parts
                 if op == OP_STOP:
                     break
                 reply = self._handle(op, payload)
                 # Rank 0 answers every frame; other ranks speak only to report an error.
                 if self.rank == 0 or codec.decode(reply).error is not None:
-                    push.send_multipart([self.role.encode(), str(self.rank).encode(), reply])
+                    push.send_multipart(auth.seal([tag, str(self.rank).encode(), reply]))
             pull.close(linger=0)
             push.close(linger=0)
 
         self._thread = threading.Thread(target=loop, name=f"{self.role}-{self.rank}-zmq", daemon=True)
         self._thread.start()
-        return f"tcp://{node_ip()}:{port}"
+        return f"tcp://{bind_host}:{port}"
 
     def shutdown(self) -> None:
         self._stop.set()
