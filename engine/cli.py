@@ -33,6 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="per-round messages to Ray workers: msgpack over zmq (default) or Ray actor calls")
     p.add_argument("--placement-timeout", type=float, default=60.0,
                    help="seconds to wait for Ray to place the workers before failing with what is missing")
+    p.add_argument("--max-worker-restarts", type=int, default=3,
+                   help="Ray workers that die are replaced and their requests re-prefilled, up to this many "
+                        "times in 10 minutes; then the job stops naming every failure (0: never restart)")
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None,
                    help="uni: workers in this process (tp 1 only); ray: Ray actors. Default: ray when "
                         "tensor parallelism or --address asks for it")
@@ -55,7 +58,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_kv_tokens=args.num_kv_tokens),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size, address=args.address,
                                 backend=args.distributed_executor_backend, transport=args.transport,
-                                placement_timeout_s=args.placement_timeout))
+                                placement_timeout_s=args.placement_timeout,
+                                max_worker_restarts=args.max_worker_restarts))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

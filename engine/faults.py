@@ -11,10 +11,11 @@ from __future__ import annotations
 
 
 class WorkerDiedError(RuntimeError):
-    def __init__(self, role: str, rank: int | None, cause: str) -> None:
+    def __init__(self, role: str, rank: int | None, cause: str, waited_s: float | None = None) -> None:
         self.role = role
         self.rank = rank
         self.cause = cause
+        self.waited_s = waited_s  # how long the wait that noticed it had been running
         who = f"{role} rank {rank}" if rank is not None else f"a {role} worker"
         super().__init__(f"{who} died: {cause}")
 

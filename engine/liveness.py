@@ -25,7 +25,7 @@ class LivenessWatch:
     def forget(self, role: str) -> None:
         self._watches.pop(role, None)
 
-    def check(self, role: str) -> None:
+    def check(self, role: str, waited_s: float | None = None) -> None:
         """Raise WorkerDiedError if any rank of ``role`` is gone."""
         import ray
 
@@ -35,7 +35,7 @@ class LivenessWatch:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         if done:
             ref = done[0]
-            raise WorkerDiedError(role, refs.index(ref), died_because(ref))
+            raise WorkerDiedError(role, refs.index(ref), died_because(ref), waited_s)
 
 
 def died_because(ref: Any) -> str:

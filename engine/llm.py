@@ -25,7 +25,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  block_size: int = 16, num_kv_tokens: int | None = None, tensor_parallel_size: int = 1,
                  address: str | None = None, distributed_executor_backend: str | None = None,
-                 transport: str = "zmq", placement_timeout_s: float = 60.0) -> None:
+                 transport: str = "zmq", placement_timeout_s: float = 60.0, max_worker_restarts: int = 3) -> None:
         if target is None:
             target, draft = default_model_dirs()
             if speculative_config is None:
@@ -38,7 +38,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, address=address,
                                     backend=distributed_executor_backend, transport=transport,
-                                    placement_timeout_s=placement_timeout_s)))
+                                    placement_timeout_s=placement_timeout_s,
+                                    max_worker_restarts=max_worker_restarts)))
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and placement groups, sockets)."""

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.executor import make_executor
+from engine.faults import WorkerDiedError
 from engine.metrics import SpecDecodingStats, StepTimes
 from engine.pipeline import Pipeliner, sampling_spec
+from engine.recovery import Recovery
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
+from scheduler.reset import forget_draft_cache, requeue_all
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
 from workers.loader import load_tokenizer
@@ -44,7 +47,8 @@ class RequestOutput:
 
 
 class EngineDeadError(RuntimeError):
-    """A step failed (a worker raised, died or timed out): worker KV state and the controller's counters may
+    """A step failed and could not be recovered (a worker raised or got stuck; workers died more often than
+    max_worker_restarts allows; an in-process worker died): worker KV state and the controller's counters may
     disagree, so the engine refuses further work instead of producing wrong output. Create a new engine."""
 
 
@@ -69,6 +73,7 @@ class LLMEngine:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
         self.has_draft = draft_cfg is not None
+        self.draft_up = self.has_draft  # False while a dead draft is being replaced: no speculation then
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
         dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
@@ -96,6 +101,9 @@ class LLMEngine:
         self._stop: dict[int, StopChecker] = {}
         self._draft_commits: dict[int, CommitSpec] = {}
         self._finished_ids: list[int] = []
+        # Ray workers can be replaced when they die; in-process ones die with us.
+        self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
+                         if hasattr(self.executor, "begin_restart") else None)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -148,10 +156,41 @@ class LLMEngine:
         """One round for every scheduled request; returns the requests that finished in it."""
         self._check_alive()
         try:
-            return self._step()
+            try:
+                if self.recovery is not None:
+                    self.recovery.poll()
+                return self._step()
+            except WorkerDiedError as e:
+                if self.recovery is None:
+                    raise
+                self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
+                return []
         except BaseException as e:
             self._dead = e
             raise
+
+    # ------------------------------------------------------------------------------------- worker recovery
+    def lose_worker_state(self, role: str) -> None:
+        """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
+        self._finished_ids.clear()  # the new workers never saw these requests
+        for req in self.scheduler.running:
+            self._forget_draft_state(req.seq_id)
+        if role == "target":
+            requeue_all(self.scheduler)
+        else:
+            forget_draft_cache(self.scheduler)
+            self.draft_up = False
+
+    def resume_draft(self) -> None:
+        """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
+        prefills = [PrefillSeq(r.seq_id, self._draft_table(r), 0, r.all_token_ids[: r.num_cached_target])
+                    for r in self.scheduler.running if r.num_cached_target > 0]
+        if prefills:
+            self.executor.submit_draft(DraftStep(prefills=prefills))
+            self.executor.wait_draft()
+        for r in self.scheduler.running:
+            r.num_cached_draft = r.num_cached_target
+        self.draft_up = True
 
     def _step(self) -> list[RequestOutput]:
         times = self.times
@@ -160,7 +199,7 @@ class LLMEngine:
         for req in batch.preempted:
             self._forget_draft_state(req.seq_id)
         finished_ids = self._take_finished()
-        pipe = self.pipeline
+        pipe = self.pipeline if self.draft_up else None
         t1 = time.perf_counter()
         trees = pipe.trees_for(batch, finished_ids) if pipe else self._draft(batch, finished_ids)
         t2 = time.perf_counter()
@@ -196,7 +235,7 @@ class LLMEngine:
 
     def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
         vocab = self.vocab_size
-        if not self.has_draft:
+        if not self.draft_up:
             return [CandidateTree.empty(vocab) for _ in batch.rounds]
         commits = [self._draft_commits.pop(r.seq_id) for r in batch.rounds if r.seq_id in self._draft_commits]
         msg = DraftStep(commits=commits, finished=finished_ids, prefills=[
@@ -230,7 +269,7 @@ class LLMEngine:
         finished = []
         for c in batch.prefills:
             c.req.num_cached_target = c.end
-            if self.has_draft:
+            if self.draft_up:
                 c.req.num_cached_draft = c.end
             tok = first_tokens.get(c.req.seq_id)
             if tok is not None and self._emit(c.req, [tok]):

@@ -21,6 +21,7 @@ from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepO
 from workers.worker_config import WorkerConfig
 
 STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
+ERROR_GRACE_S = 2.0  # after a worker's error, how long to look for a dead rank behind it
 
 
 class RayExecutor:
@@ -157,6 +158,7 @@ class RayExecutor:
         if loopback not in self._reply_addrs:
             host = "127.0.0.1" if loopback else node_ip()
             self._reply_addrs[loopback] = f"tcp://{host}:{self._reply.bind_to_random_port(f'tcp://{host}')}"
+            self.endpoints["controller"] = list(self._reply_addrs.values())
         tag = self._tag(role)
         pushes = []
         endpoints = ray.get([a.serve.remote(self._reply_addrs[loopback], loopback, tag) for a in actors])
@@ -200,14 +202,15 @@ class RayExecutor:
                 try:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
-                    raise WorkerDiedError(role, refs.index(ref), died_because(ref)) from None
-            self._liveness.check(role)
+                    raise WorkerDiedError(role, refs.index(ref), died_because(ref),
+                                          STEP_TIMEOUT_S - (deadline - time.monotonic())) from None
+            self._liveness.check(role, STEP_TIMEOUT_S - (deadline - time.monotonic()))
             if pending and time.monotonic() > deadline:
                 raise WorkerStuckError(role, STEP_TIMEOUT_S)
         decoded = [codec.decode(r) for r in ray.get(refs)]
         for r in decoded:
             if r.error is not None:
-                raise RuntimeError(f"worker failed:\n{r.error}")
+                self._worker_failed(role, r.error)
         return decoded[0].result
 
     def _await_zmq(self, role: str) -> Any:
@@ -226,17 +229,27 @@ class RayExecutor:
                     tag, rank, payload = parts
                     reply: WorkerReply = codec.decode(payload)
                     if reply.error is not None:
-                        raise RuntimeError(f"worker failed:\n{reply.error}")
+                        self._worker_failed(roles[tag], reply.error)
                     if rank == b"0":
                         if roles[tag] == role:
                             return reply.result
                         self._replies[roles[tag]] = reply.result
             now = time.monotonic()
             if now >= next_check:  # also while the other role's replies keep arriving
-                self._liveness.check(role)
+                self._liveness.check(role, now - start)
                 next_check = now + POLL_S
                 if now - start > STEP_TIMEOUT_S:
                     raise WorkerStuckError(role, STEP_TIMEOUT_S)
+
+    def _worker_failed(self, role: str, error: str) -> None:
+        """Raise a rank's error, unless it is the echo of another rank's death (a collective whose peer vanished
+        fails at once, before Ray reports the death): then the death, which recovery can act on."""
+        deadline = time.monotonic() + ERROR_GRACE_S
+        while True:
+            self._liveness.check(role)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker failed:\n{error}")
+            time.sleep(POLL_S / 2)
 
     def submit_draft(self, msg: DraftStep) -> None:
         self._submit("draft", codec.encode(msg))
