@@ -177,8 +177,9 @@ class RayExecutor:
         if role in self._in_flight:
             raise RuntimeError(f"a {role} call is already in flight")
         if self.parallel.transport == "zmq":
+            frame = self._auth.seal([op, payload])  # once: every rank checks the same signature
             for s in self._zmq[role]:
-                s.send_multipart(self._auth.seal([op, payload]), copy=False)
+                s.send_multipart(frame, copy=False)
             self._in_flight[role] = None
         else:
             method = "execute" if op == OP_STEP else "echo"

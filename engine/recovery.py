@@ -40,6 +40,7 @@ class RecoveryStats:
     recovery_s: list[float] = field(default_factory=list)  # per restart: noticed -> serving again
     detect_wait_s: list[float] = field(default_factory=list)  # per failure: how long the noticing wait ran
     failures: list[str] = field(default_factory=list)
+    noticed_at: list[float] = field(default_factory=list)  # time.monotonic() of each failure's notice
 
     @property
     def worker_restarts_total(self) -> int:
@@ -88,6 +89,7 @@ class Recovery:
     def recover(self, err: WorkerDiedError) -> None:
         """Rebuild what died; raises TooManyRestartsError past the budget, RuntimeError if it cannot be placed."""
         noticed = time.monotonic()
+        self.stats.noticed_at.append(noticed)
         executor = self.engine.executor
         dead = [err]
         for role in executor.in_flight():
