@@ -38,11 +38,17 @@ def speculative(models: TPModels) -> dict:
 def ray_cluster():
     import ray
 
+    import engine.ray_executor
+
+    # A regression in death detection must fail fast, not wait out the default 10-minute step timeout.
+    timeout, engine.ray_executor.STEP_TIMEOUT_S = engine.ray_executor.STEP_TIMEOUT_S, 30.0
+
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
+    engine.ray_executor.STEP_TIMEOUT_S = timeout
 
 
 @pytest.fixture(scope="module")
