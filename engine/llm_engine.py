@@ -172,7 +172,6 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------- worker recovery
     def lose_worker_state(self, role: str) -> None:
         """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
-        self._finished_ids.clear()  # the new workers never saw these requests
         for req in self.scheduler.running:
             self._forget_draft_state(req.seq_id)
         if role == "target":

@@ -6,6 +6,7 @@ Ray does placement, lifecycle and health; the per-round messages go over zmq as 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -282,7 +283,12 @@ class RayExecutor:
         self._kill_role(role)
         self._remove_groups([role])
         bundles = self.plan.target_bundles if role == "target" else self.plan.draft_bundles
-        (pg,) = self._reserve(self.plan, {role: (bundles, "STRICT_PACK")})
+        # What the cluster lacks is judged for this role alone: the other role keeps its bundles.
+        alone = dataclasses.replace(self.plan, **{"draft_bundles" if role == "target" else "target_bundles": []})
+        try:
+            (pg,) = self._reserve(alone, {role: (bundles, "STRICT_PACK")})
+        except RuntimeError as e:
+            raise RuntimeError(f"restarting the {role} workers: {e}") from None
         self._create_actors(role, self._configs[role], pg, self.plan)
         self._starting[role] = self._begin_setup(role, self.plan)
 
