@@ -25,7 +25,11 @@ def cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False})
+    # A lost node is declared dead after missed health checks (15 s by default): 1.5 s here, so the placement
+    # error below sees the cluster without it.
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     ray._common.utils.reset_ray_address()  # other ray.init() calls on this machine must not join it
     nodes = {"T": c.add_node(num_cpus=1, num_gpus=2), "B": c.add_node(num_cpus=1, num_gpus=1)}
     c.wait_for_nodes()
