@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import IO, Any
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_token_ids")
@@ -93,7 +94,7 @@ def run_batch(engine: LLMEngine, lines: list[str], out: IO[str], defaults: dict[
     failure: Exception | None = None
     try:
         while engine.has_unfinished:
-            for o in engine.step():
+            for o in engine.step_finished():
                 idx = key_of[o.request_id]
                 o.request_id = parsed[idx].request_id
                 results[idx] = output_line(o)

@@ -41,7 +41,7 @@ class SpeculativeConfig:
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
-    - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipeline.py);
+    - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
     """
@@ -102,13 +102,7 @@ class SpeculativeConfig:
         """From a JSON string (the CLI flag), a dict, or an instance; None means no speculation."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = cls.as_dict(value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -116,6 +110,18 @@ class SpeculativeConfig:
         if "model" not in value:
             raise ValueError("speculative_config.model is required (the draft model directory)")
         return cls(**value)
+
+    @staticmethod
+    def as_dict(value: str | dict) -> dict:
+        """The keys of a JSON string or dict, not yet validated."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        return value
 
 
 @dataclass
@@ -191,9 +197,16 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if not os.path.isdir(self.target):
-            raise ValueError(f"target model directory {self.target!r} does not exist")
-        if self.speculative is not None and not os.path.isdir(self.speculative.model):
-            raise ValueError(f"speculative_config.model directory {self.speculative.model!r} does not exist")
+        _check_model_dir("target model", self.target)
+        if self.speculative is not None:
+            _check_model_dir("speculative_config.model", self.speculative.model)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def _check_model_dir(what: str, path: str) -> None:
+    if os.path.isfile(path):
+        raise ValueError(f"{what} {path!r} is a file; expected a model directory (config.json, weights and "
+                         "tokenizer files side by side)")
+    if not os.path.isdir(path):
+        raise ValueError(f"{what} directory {path!r} does not exist")

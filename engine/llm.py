@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ParallelConfig, SpeculativeConfig, default_model_dirs
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.args import EngineArgs
+from engine.config import SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta, RequestOutput
 from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import SchedulerConfig
 
 
 class LLM:
@@ -17,29 +18,14 @@ class LLM:
     ``LLM()`` with no model uses the built-in default pair (engine/default_models) with chain speculation.
     ``speculative_config``: a dict or JSON string, vLLM-style: ``{"method": "draft_model", "model": DIR,
     "num_speculative_tokens": K}`` plus ``tree_branching`` / ``tree_sampling`` / ``max_tree_nodes``; None
-    means no speculation (unless the default models are used).
+    means no speculation (unless the default models are used; "none" turns their draft off).
+    Keyword arguments: the fields of ``engine.args.EngineArgs`` (the CLI's flags), with the same defaults.
     """
 
     def __init__(self, target: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,
-                 *, tokenizer: str | None = None, dtype: str | None = None, device: str = "cpu",
-                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 block_size: int = 16, num_kv_tokens: int | None = None, tensor_parallel_size: int = 1,
-                 address: str | None = None, distributed_executor_backend: str | None = None,
-                 transport: str = "zmq", placement_timeout_s: float = 60.0, max_worker_restarts: int = 3) -> None:
-        if target is None:
-            target, draft = default_model_dirs()
-            if speculative_config is None:
-                speculative_config = {"method": "draft_model", "model": draft}
-        self.engine = LLMEngine(EngineConfig(
-            target=target, speculative=SpeculativeConfig.parse(speculative_config), tokenizer=tokenizer,
-            dtype=dtype, device=device, max_model_len=max_model_len,
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      block_size=block_size),
-            cache=CacheConfig(block_size=block_size, num_kv_tokens=num_kv_tokens),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, address=address,
-                                    backend=distributed_executor_backend, transport=transport,
-                                    placement_timeout_s=placement_timeout_s,
-                                    max_worker_restarts=max_worker_restarts)))
+                 **kwargs: Any) -> None:
+        args = EngineArgs(target=target, speculative_config=speculative_config, **kwargs)
+        self.engine = LLMEngine(args.to_engine_config())
 
     def shutdown(self) -> None:
         """Release the workers (Ray actors and placement groups, sockets)."""
@@ -59,6 +45,34 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string or a single list of ints is one prompt."""
+        n = len(self._add_all(prompts, params))
+        return self.run(n, use_tqdm)
+
+    def stream(self, prompts: str | list[int] | Sequence[str | list[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestDelta]:
+        """Deltas of a batch as the steps produce them; request ids are the prompts' positions ("0", "1", ...).
+
+        The requests are queued when iteration starts (a refused prompt raises there, and queues nothing);
+        closing the generator early aborts the batch's unfinished requests (their KV is freed).
+        """
+        ids = self._add_all(prompts, params)
+        done: set[str] = set()
+        try:
+            while self.engine.has_unfinished:
+                for d in self.engine.step():
+                    if d.finished:
+                        done.add(d.request_id)
+                    yield d
+        finally:
+            pending = [i for i in ids if i not in done]
+            if pending and self.engine.is_alive:
+                for i in pending:
+                    self.engine.abort_request(i)
+                while self.engine.has_unfinished:
+                    self.engine.step()
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Queue one request per prompt, all or nothing; their ids."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -76,7 +90,7 @@ class LLM:
             for req in queued:
                 self.engine.withdraw_queued(req)
             raise
-        return self.run(len(prompts), use_tqdm)
+        return [r.request_id for r in queued]
 
     def run(self, total: int, use_tqdm: bool = False) -> list[RequestOutput]:
         """Step until every queued request finishes; outputs sorted by the order they were added."""
@@ -86,7 +100,7 @@ class LLM:
             from tqdm import tqdm
             bar = tqdm(total=total, desc="requests", unit="req")
         while self.engine.has_unfinished:
-            for o in self.engine.step():
+            for o in self.engine.step_finished():
                 outs[o.request_id] = o
                 if bar is not None:
                     bar.update(1)

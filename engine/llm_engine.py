@@ -1,8 +1,10 @@
 """The controller loop: schedule -> draft -> verify -> commit -> emit, with continuous batching.
 
-Requests join between steps and leave when they finish; the scheduler decides who runs and reserves their KV.
-The draft and target workers are called through typed messages, so the Ray executor can move them into
-actors without touching this loop.
+Requests join between steps and leave when they finish; the scheduler decides who runs, how deep each tree
+goes, reserves their KV and owns the cache counters. A drafter (engine/drafter.py: none, sequential or
+pipelined) proposes the trees; the target verifies them and commits its own KV. The draft and target workers
+are called through typed messages, so the Ray executor can move them into actors without touching this loop;
+the controller handles ints only (the draft's laws go to the verifier directly).
 """
 
 from __future__ import annotations
@@ -11,39 +13,29 @@ import dataclasses
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
 
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
+from engine.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.executor import make_executor
 from engine.faults import WorkerDiedError
 from engine.metrics import SpecDecodingStats, StepTimes
-from engine.pipeline import Pipeliner, sampling_spec
+from engine.outputs import RequestDelta, RequestOutput
+from engine.pipelined_drafter import PipelinedDrafter
 from engine.recovery import Recovery
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
-from scheduler.reset import forget_draft_cache, requeue_all
+from scheduler.reset import draft_refilled, requeue_all
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
+from scheduler.spec_policy import SpecPolicy
 from workers.loader import load_tokenizer
-from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, TargetStep, VerifySeq
+from workers.messages import DraftStep, DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
 from workers.model_config import ModelConfig
-from workers.verification import CandidateTree
 from workers.worker_config import WorkerConfig
 
 _MAX_AUTO_KV_TOKENS = 1 << 17
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    finished: bool
-    metrics: dict
 
 
 class EngineDeadError(RuntimeError):
@@ -72,8 +64,6 @@ class LLMEngine:
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
-        self.has_draft = draft_cfg is not None
-        self.draft_up = self.has_draft  # False while a dead draft is being replaced: no speculation then
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
         dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
@@ -90,20 +80,37 @@ class LLMEngine:
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
+        policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len) if self.tree is not None else None
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
-                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0)
+                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
+                                   policy=policy)
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
-        self.pipeline = (Pipeliner(self, spec.pipeline_width)
-                         if spec is not None and spec.pipeline else None)
+        self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
+        self.drafter: Drafter = self._new_drafter()
+        self.draft_up = spec is not None  # False while a dead draft is being replaced: no speculation then
         self._seq_ids = itertools.count()
-        self._stop: dict[int, StopChecker] = {}
-        self._draft_commits: dict[int, CommitSpec] = {}
-        self._finished_ids: list[int] = []
+        self._stop: dict[int, StopChecker] = {}  # seq_id -> stop checks and detokenizer
+        self._requests: dict[str, Request] = {}  # unfinished requests by the user's id (for abort)
+        self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
+        self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
+        self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
+        self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
+        self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
         # Ray workers can be replaced when they die; in-process ones die with us.
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
+
+    def _new_drafter(self) -> Drafter:
+        spec = self.config.speculative
+        if spec is None:
+            return NoDrafter()
+        calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
+        if spec.pipeline:
+            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
+            return self.pipeline
+        return SequentialDrafter(calls, self.tree.branching)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -120,10 +127,13 @@ class LLMEngine:
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
-        req = Request(next(self._seq_ids), str(request_id), token_ids, params)
+        req = Request(next(self._seq_ids), request_id, token_ids, params)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -131,12 +141,25 @@ class LLMEngine:
         checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
+        self._requests[request_id] = req
         return req
 
     def withdraw_queued(self, req: Request) -> None:
-        """Take back a request that ``add_request`` queued and no step has scheduled yet."""
+        """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""
         self.scheduler.waiting.remove(req)
         self._stop.pop(req.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        self._aborts.pop(req.request_id, None)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a queued or running request with reason "abort" at the start of the next step, which frees
+        its KV and returns its last delta. False when no unfinished request has this id. Like every engine
+        call, from the thread that steps the engine."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            return False
+        self._aborts[req.request_id] = req
+        return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -152,19 +175,28 @@ class LLMEngine:
             raise EngineDeadError(f"the engine stopped after a failed step ({type(self._dead).__name__}: "
                                   f"{self._dead}); create a new engine") from self._dead
 
-    def step(self) -> list[RequestOutput]:
-        """One round for every scheduled request; returns the requests that finished in it."""
+    @property
+    def is_alive(self) -> bool:
+        """False once a step failed (every later call raises EngineDeadError)."""
+        return self._dead is None
+
+    def step(self) -> list[RequestDelta]:
+        """One round for every scheduled request; a delta for each request that got tokens or finished
+        (aborted ones included)."""
         self._check_alive()
+        self._finished_outputs = []
         try:
-            try:
-                if self.recovery is not None:
-                    self.recovery.poll()
-                return self._step()
-            except WorkerDiedError as e:
-                if self.recovery is None:
-                    raise
-                self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
-                return []
+            self._apply_aborts()
+            if self.recovery is not None:
+                self.recovery.poll()
+            if self.scheduler.has_unfinished:
+                try:
+                    self._step()
+                except WorkerDiedError as e:
+                    if self.recovery is None:
+                        raise
+                    self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
+            return self._take_deltas()
         except BaseException as e:
             self._dead = e
             raise
@@ -172,86 +204,54 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------- worker recovery
     def lose_worker_state(self, role: str) -> None:
         """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
-        for req in self.scheduler.running:
-            self._forget_draft_state(req.seq_id)
         if role == "target":
-            requeue_all(self.scheduler)
+            self._requeued_ids += [r.seq_id for r in requeue_all(self.scheduler)]
+            if self.draft_up:
+                self.drafter = self._new_drafter()  # nothing pre-drafted or pending survives
         else:
-            forget_draft_cache(self.scheduler)
+            self.drafter = NoDrafter()
             self.draft_up = False
 
     def resume_draft(self) -> None:
         """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
-        prefills = [PrefillSeq(r.seq_id, self._draft_table(r), 0, r.all_token_ids[: r.num_cached_target])
+        tables = self.scheduler.draft_blocks.tables
+        prefills = [PrefillSeq(r.seq_id, tables[r.seq_id], 0, r.all_token_ids[: r.num_cached_target])
                     for r in self.scheduler.running if r.num_cached_target > 0]
         if prefills:
             self.executor.submit_draft(DraftStep(prefills=prefills))
             self.executor.wait_draft()
-        for r in self.scheduler.running:
-            r.num_cached_draft = r.num_cached_target
+        draft_refilled(self.scheduler)
+        self._requeued_ids.clear()  # the new draft never saw them
+        self.drafter = self._new_drafter()
         self.draft_up = True
 
-    def _step(self) -> list[RequestOutput]:
-        times = self.times
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        for req in batch.preempted:
-            self._forget_draft_state(req.seq_id)
+    def step_finished(self) -> list[RequestOutput]:
+        """One step; the requests that finished in it, whole (for callers that do not stream)."""
+        self.step()
+        return self._finished_outputs
+
+    def _step(self) -> None:
+        clock = self.times.clock()
+        batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
-        pipe = self.pipeline if self.draft_up else None
-        t1 = time.perf_counter()
-        trees = pipe.trees_for(batch, finished_ids) if pipe else self._draft(batch, finished_ids)
-        t2 = time.perf_counter()
-        self.executor.submit_target(self._target_step(batch, trees, finished_ids))
-        if pipe:
-            pipe.predraft(batch, trees)  # the draft works on round r+1 while the target verifies round r
+        clock.lap("schedule_s")
+        gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
+        trees = self.drafter.propose(batch, gone)  # draft
+        clock.lap("draft_wall_s")
+        self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
+        self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
         out = self.executor.wait_target()
-        t3 = time.perf_counter()
-        if pipe:
-            pipe.target_done(out.elapsed_s)
-        finished = self._commit_prefills(batch, out.first_tokens)
-        finished += self._commit_rounds(batch, trees, out.results)
-        t4 = time.perf_counter()
-        if pipe:
-            pipe.collect(batch)
-        t5 = time.perf_counter()
-        times.record(schedule_s=t1 - t0, draft_wall_s=t2 - t1, verify_wall_s=t3 - t2, verify_s=out.elapsed_s,
-                     commit_s=t4 - t3, collect_s=t5 - t4)
-        return [self._output(r) for r in finished]
+        clock.lap("verify_wall_s", verify_s=out.elapsed_s)
+        num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side ...
+        clock.lap("collect_s")
+        drafted = [t.num_nodes for t in trees]
+        self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
+        for n, res in zip(drafted, out.results, strict=True):
+            self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
+        self._emit_step(batch, out)  # emit
+        clock.lap("commit_s")
 
-    def _forget_draft_state(self, seq_id: int) -> None:
-        self._draft_commits.pop(seq_id, None)
-        if self.pipeline is not None:
-            self.pipeline.forget(seq_id)
-
-    def _depth(self, req: Request) -> int:
-        """Tree depth this round: no deeper than the tokens the request may still emit, or its context."""
-        if self.tree is None:
-            return 0
-        room = min(req.remaining_tokens, self.max_model_len - req.num_tokens)
-        # Candidates sit at positions num_tokens .. num_tokens + depth - 1: all inside the draft's context.
-        return max(0, min(self.tree.depth, room - 1, self.draft_max_len - req.num_tokens))
-
-    def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
-        vocab = self.vocab_size
-        if not self.draft_up:
-            return [CandidateTree.empty(vocab) for _ in batch.rounds]
-        commits = [self._draft_commits.pop(r.seq_id) for r in batch.rounds if r.seq_id in self._draft_commits]
-        msg = DraftStep(commits=commits, finished=finished_ids, prefills=[
-            PrefillSeq(c.req.seq_id, self._draft_table(c.req), c.start, c.req.all_token_ids[c.start:c.end])
-            for c in batch.prefills])
-        drafted = [r for r in batch.rounds if self._depth(r) > 0]
-        for r in drafted:
-            msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
-                                     r.all_token_ids[r.num_cached_draft:], sampling_spec(r),
-                                     list(self.tree.branching[: self._depth(r)])))
-        self.executor.submit_draft(msg)
-        out = self.executor.wait_draft()
-        self.times.draft_s += out.elapsed_s
-        trees = {res.seq_id: res.trees[0] for res in out.results}
-        return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
-
-    def _target_step(self, batch: ScheduledBatch, trees: list[CandidateTree], finished_ids: list[int]) -> TargetStep:
+    def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables
         msg = TargetStep(finished=finished_ids)
         for c in batch.prefills:
@@ -260,52 +260,30 @@ class LLMEngine:
                                            c.req.all_token_ids[c.start:c.end], sampling_spec(c.req) if fresh else None))
         for r, t in zip(batch.rounds, trees, strict=True):
             msg.seqs.append(VerifySeq(r.seq_id, tables[r.seq_id], r.num_cached_target,
-                                      r.all_token_ids[r.num_cached_target:], t.tokens.tolist(), t.parents.tolist(),
-                                      sampling_spec(r), None if r.params.greedy else t.draft_probs))
+                                      r.all_token_ids[r.num_cached_target:], t.tokens, t.parents, sampling_spec(r),
+                                      -1 if r.params.greedy else t.tree_id))
         return msg
 
-    def _commit_prefills(self, batch: ScheduledBatch, first_tokens: dict[int, int]) -> list[Request]:
-        finished = []
+    def _emit_step(self, batch: ScheduledBatch, out: TargetStepOutput) -> None:
+        """Every token the step produced, through ``_emit``."""
         for c in batch.prefills:
-            c.req.num_cached_target = c.end
-            if self.draft_up:
-                c.req.num_cached_draft = c.end
-            tok = first_tokens.get(c.req.seq_id)
-            if tok is not None and self._emit(c.req, [tok]):
-                finished.append(c.req)
-        return finished
-
-    def _commit_rounds(self, batch: ScheduledBatch, trees: list[CandidateTree], results) -> list[Request]:
-        finished = []
-        for req, tree, res in zip(batch.rounds, trees, results, strict=True):
-            accepted = res.accepted_nodes
-            # Committed now: the in-flight tokens and the accepted path (emitted below, so not yet in num_tokens).
-            req.num_cached_target = req.num_tokens + len(accepted)
-            if self.has_draft and len(tree.tokens) and self.pipeline is None:
-                depth = self._depth(req)
-                u = req.num_tokens - req.num_cached_draft
-                # The deepest level was never forwarded through the draft: it has no draft KV to keep.
-                kept = accepted[: depth - 1]
-                path = list(range(u)) + [u + j for j in kept]
-                self._draft_commits[req.seq_id] = CommitSpec(self._draft_table(req), req.num_cached_draft, path)
-                req.num_cached_draft += u + len(kept)
-            n_drafted = len(tree.tokens)
-            req.stats.record_round(n_drafted, len(accepted), len(res.tokens))
-            self.stats.record_round(n_drafted, len(accepted), len(res.tokens), drafted=n_drafted > 0)
-            done = self._emit(req, res.tokens)
-            if done:
-                finished.append(req)
-            else:
-                self.scheduler.after_commit(req)
-        return finished
+            tok = out.first_tokens.get(c.req.seq_id)
+            if tok is not None:
+                self._emit(c.req, [tok])
+        for req, res in zip(batch.rounds, out.results, strict=True):
+            self._emit(req, res.tokens)
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append what the round produced, up to a stop; True when the request is finished."""
+        """Append what the round produced, up to a stop; True when the request is finished.
+
+        The one place where tokens join a request and a finished request is finalised: the step's deltas are
+        recorded here (and in ``_apply_aborts``)."""
         checker = self._stop[req.seq_id]
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()
-        kept, stopped = checker.truncate(req.output_token_ids, tokens, req.remaining_tokens)
+        kept, stopped = checker.truncate(tokens, req.remaining_tokens)
         req.output_token_ids += kept
+        self._emitted.setdefault(req.seq_id, (req, []))[1].extend(kept)
         reason = None
         if stopped:
             reason = FinishReason.STOP
@@ -313,24 +291,46 @@ class LLMEngine:
             reason = FinishReason.LENGTH
         if reason is None:
             return False
-        self.scheduler.finish(req, reason)
-        self._forget_draft_state(req.seq_id)
-        self._finished_ids.append(req.seq_id)
+        self._finish(req, reason)
         return True
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Free its KV; the workers drop its state with the next step's messages."""
+        self.scheduler.finish(req, reason)
+        req.stats.finish_time = time.monotonic()
+        self._finished_ids.append(req.seq_id)
+        self._emitted.setdefault(req.seq_id, (req, []))
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for req in aborts.values():
+            if not req.finished:
+                self._finish(req, FinishReason.ABORT)
+
+    def _take_deltas(self) -> list[RequestDelta]:
+        """This step's deltas, in the order requests got tokens; finished requests leave the engine here."""
+        emitted, self._emitted = self._emitted, {}
+        deltas = []
+        for req, new in emitted.values():
+            checker = self._stop[req.seq_id]
+            deltas.append(RequestDelta(
+                req.request_id, new, checker.take_text(req.finished), req.finished,
+                req.finish_reason.value if req.finished and req.finish_reason else None,
+                len(req.prompt_token_ids), len(req.output_token_ids),
+                req.stats.as_dict() if req.finished else None))
+            if req.finished:
+                self._finished_outputs.append(self._output(req))
+                del self._stop[req.seq_id]
+                self._requests.pop(req.request_id, None)
+        return deltas
 
     def _take_finished(self) -> list[int]:
         ids, self._finished_ids = self._finished_ids, []
         return ids
 
-    def _draft_table(self, req: Request) -> list[int]:
-        return self.scheduler.draft_blocks.tables[req.seq_id]
-
     def _output(self, req: Request) -> RequestOutput:
-        text = None
-        if self.tokenizer is not None:
-            text = self._stop[req.seq_id].final_text(req.output_token_ids)
-        self._stop.pop(req.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
-                             req.finish_reason.value if req.finish_reason else None, req.finished, req.stats.as_dict())
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             self._stop[req.seq_id].text, req.finish_reason.value if req.finish_reason else None,
+                             req.finished, req.stats.as_dict())
 
 

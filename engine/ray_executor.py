@@ -1,7 +1,9 @@
 """Workers in Ray actors: the draft on its own bundle(s), the target's tensor-parallel ranks packed on one node.
 
 Ray does placement, lifecycle and health; the per-round messages go over zmq as msgpack frames (or, with
-``transport="ray"``, as plain actor calls — kept for comparison: see engine/benchmarks/transport.py).
+``transport="ray"``, as plain actor calls — kept for comparison: see engine/benchmarks/transport.py). The
+draft's laws take a third path, draft rank 0 straight to target rank 0 (``_connect_laws``): the controller
+sends and receives ints only.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class RayExecutor:
             self._setup_actors(plan)
             for role in roles:
                 self._connect(role)
+            if draft is not None:
+                self._connect_laws()
         except BaseException:
             self.shutdown()
             raise
@@ -140,6 +144,16 @@ class RayExecutor:
             ray.get(refs)
         except ray.exceptions.RayError as e:
             raise RuntimeError(f"starting the {role} workers failed: {e}") from e
+
+    def _connect_laws(self) -> None:
+        """The draft's laws go from draft rank 0 to target rank 0 (the verifier) on their own socket; again
+        whenever either side was replaced."""
+        import ray
+
+        target, draft = self._actors["target"][0], self._actors["draft"][0]
+        nodes = {w["node_id"] for w in ray.get([target.describe.remote(), draft.describe.remote()])}
+        address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
+        ray.get(draft.connect_laws.remote(address, (self._generation["draft"] - 1) << 40))
 
     def _connect(self, role: str) -> None:
         """Watch the role's ranks; on the zmq transport, have them serve and connect to them."""
@@ -306,6 +320,8 @@ class RayExecutor:
         del self._starting[role]
         self._finish_setup(role, refs)
         self._connect(role)
+        if self._actors["draft"] and self._actors["target"] and not self._starting:
+            self._connect_laws()
         return True
 
     def describe(self) -> list[dict[str, Any]]:

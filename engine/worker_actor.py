@@ -20,7 +20,7 @@ import torch
 
 from engine import codec
 from engine.frames import FrameAuth
-from workers.messages import RoundResult, TargetStep, TargetStepOutput, WorkerReply
+from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
 
 OP_STEP = b"step"
@@ -154,6 +154,51 @@ class WorkerProcess:
         self._thread.start()
         return f"tcp://{bind_host}:{port}"
 
+    def serve_laws(self, loopback: bool) -> str:
+        """Target rank 0: receive the draft's laws (workers/law_channel.py) on a PULL socket of its own, into the
+        verifier's LawStore; returns the address draft rank 0 pushes to. The controller never sees them.
+        Frames are signed like every other (engine/frames.py): a forged law would be a wrong q."""
+        import zmq
+
+        bind_host = "127.0.0.1" if loopback else node_ip()
+        pull = zmq.Context.instance().socket(zmq.PULL)
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
+        store = self.worker.law_store
+        auth = FrameAuth(self.secret, f"the law receiver of target rank {self.rank}")
+
+        def loop() -> None:
+            try:
+                while not self._stop.is_set():
+                    if pull.poll(timeout=1000):
+                        parts = auth.open(pull.recv_multipart(), 1)
+                        if parts is not None:
+                            store.put(codec.decode(parts[0]))
+            except Exception:
+                store.fail(f"the law receiver of target rank {self.rank} failed: {traceback.format_exc()}")
+            finally:
+                pull.close(linger=0)
+
+        threading.Thread(target=loop, name="target-laws", daemon=True).start()
+        return f"tcp://{bind_host}:{port}"
+
+    def connect_laws(self, address: str, first_tree_id: int) -> None:
+        """Draft rank 0: push the laws of every drafted tree to the verifier at ``address`` (again after the
+        target was replaced). ``first_tree_id``: where a replacement draft starts numbering its trees, so a tree
+        id is never one the verifier may still hold laws for from the draft it replaced."""
+        import zmq
+
+        self.worker._next_tree_id = max(self.worker._next_tree_id, first_tree_id)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(address)
+        lock = threading.Lock()  # Ray calls and the zmq loop may both run steps: one sender at a time
+        auth = FrameAuth(self.secret, f"the law sender of draft rank {self.rank}")
+
+        def send(laws) -> None:
+            with lock:
+                push.send_multipart(auth.seal([codec.encode(laws)]), copy=False)
+
+        self.worker.law_sink = send
+
     def shutdown(self) -> None:
         self._stop.set()
         import torch.distributed as dist
@@ -184,6 +229,7 @@ _BUNDLE_RESOURCE = re.compile(r"^bundle_group_(\d+)_[0-9a-f]+$")
 def _echo_result(msg: Any) -> Any:
     """A reply shaped like a real one, so the benchmark pays the same encoding costs."""
     if isinstance(msg, TargetStep):
-        return TargetStepOutput(first_tokens={}, results=[RoundResult(list(range(len(s.tree_tokens))),
-                                                                      s.tree_tokens + [0]) for s in msg.seqs])
+        return TargetStepOutput(first_tokens={}, results=[
+            VerifyResult(list(range(len(s.tree_tokens))), s.tree_tokens + [0], len(s.tree_tokens), True)
+            for s in msg.seqs])
     return None

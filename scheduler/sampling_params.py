@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+# Below this temperature a request is greedy, everywhere (engine, draft and target workers; vLLM uses the same
+# epsilon): dividing logits by a tiny T only makes a one-hot with rounding noise, so we take the argmax instead.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # (0, 1]; 1 = off
     top_k: int = -1  # -1 = off, else >= 1
     min_p: float = 0.0  # [0, 1]; 0 = off
@@ -49,16 +57,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingParams:
-        """Build from a JSON-like dict; unknown keys are an error naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling field(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return is_greedy(self.temperature)
 
 
 def _check_int(name: str, v: object) -> None:

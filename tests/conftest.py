@@ -106,7 +106,7 @@ def run_to_completion(engine, max_steps: int = 100_000) -> dict[str, object]:
     for _ in range(max_steps):
         if not engine.has_unfinished:
             return outs
-        for o in engine.step():
+        for o in engine.step_finished():
             outs[o.request_id] = o
     raise AssertionError(f"engine still has unfinished requests after {max_steps} steps")
 

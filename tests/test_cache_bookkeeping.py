@@ -68,21 +68,27 @@ def check_cache(worker, tables: dict[int, list[int]], requests, which: str) -> i
     return checked
 
 
-@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees"])
+@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees", "tree-pipelined"])
 def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     if case == "tree-chunked":
         speculative = spec(llama.perturbed, None, [2, 2, 1])
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12, block_size=4)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12)
         cache = CacheConfig(block_size=4)
     elif case == "chain-preempting":
         speculative = spec(llama.perturbed, 4)
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=4)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=4, num_kv_tokens=96)
+    elif case == "tree-pipelined":
+        # The draft keeps the KV of the longest predicted prefix that came true: its commits follow the
+        # pre-draft's scratch layout (in-flight chain, prediction nodes), not a verified tree's.
+        speculative = {**spec(llama.perturbed, None, [2, 2, 1]), "pipeline": True}
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12)
+        cache = CacheConfig(block_size=4)
     else:
         # Without replacement under top-k / top-p, a node often has fewer children than the shape allows: the
         # trees come out irregular, and so do the scratch layouts the commits must follow.
         speculative = spec(llama.perturbed, None, [3, 2, 2], sampling="without_replacement")
-        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=2)
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=2)
     narrow = [{"top_k": 2}, {"top_p": 0.6}, {"top_k": 1}, {}, {"min_p": 0.3}]
     engine = LLMEngine(EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(speculative),
@@ -113,7 +119,7 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
                                                      **extra))
     outs = {}
     while engine.has_unfinished:
-        batch_outs = engine.step()
+        batch_outs = engine.step_finished()
         outs.update({o.request_id: o for o in batch_outs})
         counts["target"] += check_cache(target, sched_.target_blocks.tables, sched_.running, "target")
     assert len(outs) == len(PROMPTS) and all(len(o.token_ids) == 36 for o in outs.values())

@@ -149,17 +149,17 @@ def test_requests_arriving_while_others_run(llama, llama_expected) -> None:
     """Continuous batching: requests that join mid-flight get exactly what they get alone."""
     expected = llama_expected
     cfg = EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(spec(llama.perturbed, None, [2, 2, 1])),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=4),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                        cache=CacheConfig(block_size=4))
     engine = LLMEngine(cfg)
     outs: dict = {}
     engine.add_request("0", PROMPTS[0], GREEDY)
     engine.add_request("1", PROMPTS[1], GREEDY)
     for _ in range(3):
-        outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step_finished()})
     engine.add_request("2", PROMPTS[2], GREEDY)
     for _ in range(4):
-        outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step_finished()})
     engine.add_request("3", PROMPTS[3], GREEDY)
     # A request with fewer tokens finishes first and leaves while the others continue.
     engine.add_request("short", PROMPTS[3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))

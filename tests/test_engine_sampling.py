@@ -57,10 +57,10 @@ def test_seeded_requests_are_reproducible_whatever_the_batch(llama, speculative)
         engine.add_request(f"o{i}", p, sp)
     outs = {}
     for _ in range(3):
-        outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step_finished()})
     engine.add_request("mine", prompt, mine)
     while engine.has_unfinished:
-        outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step_finished()})
     assert outs["mine"].token_ids == alone
     # Another seed gives another sequence.
     assert _run(llm, [prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=1235, ignore_eos=True))[0] != alone

@@ -82,6 +82,19 @@ def test_unknown_architecture_lists_the_supported_ones(tmp_path) -> None:
         load_model(path)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_config_without_architectures_loads_by_model_type(tmp_path, family: str) -> None:
+    path = make_tiny_checkpoint(tmp_path, family=family, vocab_size=64)
+    reference = load_model(path)
+    edit_config(path, architectures=None)
+    config = ModelConfig.from_pretrained(path)
+    assert config.architecture == {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert torch.equal(logits_of(load_model(path)), logits_of(reference))
+    edit_config(path, model_type="vit")
+    with pytest.raises(ValueError, match="no 'architectures' entry and model_type 'vit'"):
+        ModelConfig.from_pretrained(path)
+
+
 def test_tokenizer_is_none_without_files_and_loads_with_them(tmp_path) -> None:
     bare = make_tiny_checkpoint(tmp_path / "bare", vocab_size=64)
     assert load_tokenizer(bare) is None

@@ -1,4 +1,4 @@
-"""Pipelined speculation (engine/pipeline.py) leaves every output unchanged: greedy, seeded, and in law."""
+"""Pipelined speculation (engine/pipelined_drafter.py) leaves every output unchanged: greedy, seeded, and in law."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.pipeline import match_prediction, most_probable_path, prune_tree
+from engine.pipelined_drafter import match_prediction, prune
 from tests.conftest import spec
-from workers.messages import DraftResult
-from workers.verification import CandidateTree
+from workers.messages import DraftResult, DraftTree
+from workers.tree_topology import most_probable_path
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45)), [3]]
 
@@ -116,18 +116,13 @@ def test_distribution_with_pipelining(small_vocab):
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-def _tree(tokens, parents, probs=None) -> CandidateTree:
-    n = len(tokens)
-    return CandidateTree(torch.tensor(tokens), torch.tensor(parents),
-                         torch.empty(n, 0) if probs is None else probs)
+def _tree(tokens, parents, tree_id=-1) -> DraftTree:
+    return DraftTree(list(tokens), list(parents), tree_id, len(parents), most_probable_path(list(parents), None))
 
 
 def test_most_probable_path_greedy_and_sampled():
-    t = _tree([5, 6, 7, 8], [-1, -1, 0, 1])
-    assert most_probable_path(t) == [0, 2]  # greedy trees: the first child is the draft's top token
-    probs = torch.zeros(4, 10)
-    probs[0, 5], probs[1, 6], probs[2, 7], probs[3, 8] = 0.2, 0.5, 0.9, 0.9
-    assert most_probable_path(_tree([5, 6, 7, 8], [-1, -1, 0, 1], probs)) == [1, 3]
+    assert most_probable_path([-1, -1, 0, 1], None) == [0, 2]  # greedy trees: the first child is the top token
+    assert most_probable_path([-1, -1, 0, 1], [0.2, 0.5, 0.9, 0.9]) == [1, 3]
 
 
 def test_match_prediction_hit_partial_and_miss():
@@ -135,22 +130,95 @@ def test_match_prediction_hit_partial_and_miss():
     # in-flight chain [9]; predicted path 4, 5; guesses: 6 under node 1 (bonus), 7 under -1 (rejection)
     res = DraftResult(0, pred_tokens=[4, 5, 6, 7], pred_parents=[-1, 0, 1, -1], anchors=[2, 3],
                       trees=[tree_a, tree_b])
-    kept, tree = match_prediction([9], res, [9, 4, 5, 6])
-    assert kept == [0, 1, 2, 3] and tree is tree_a
-    kept, tree = match_prediction([9], res, [9, 7])
-    assert kept == [0, 4] and tree is tree_b
-    kept, tree = match_prediction([9], res, [9, 4, 8])  # recovered token nobody predicted
-    assert kept == [0, 1] and tree is None
-    kept, tree = match_prediction([9], res, [9, 4])  # ends on a prediction node that is not an anchor
-    assert kept == [0, 1] and tree is None
-    kept, tree = match_prediction([9, 3], res, [9, 2])
-    assert kept == [0] and tree is None
+    m = match_prediction([9], res, [9, 4, 5, 6])
+    assert (m.num_inflight, m.pred_nodes) == (1, [0, 1, 2]) and m.tree is tree_a
+    m = match_prediction([9], res, [9, 7])
+    assert (m.num_inflight, m.pred_nodes) == (1, [3]) and m.tree is tree_b
+    m = match_prediction([9], res, [9, 4, 8])  # recovered token nobody predicted
+    assert (m.num_inflight, m.pred_nodes) == (1, [0]) and m.tree is None
+    m = match_prediction([9], res, [9, 4])  # ends on a prediction node that is not an anchor
+    assert (m.num_inflight, m.pred_nodes) == (1, [0]) and m.tree is None
+    m = match_prediction([9, 3], res, [9, 2])
+    assert (m.num_inflight, m.pred_nodes) == (1, []) and m.tree is None
 
 
-def test_prune_tree_keeps_shallow_nodes():
-    probs = torch.rand(5, 8)
-    t = _tree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2], probs)
-    p = prune_tree(t, 2)
-    assert p.tokens.tolist() == [1, 2, 3, 4] and p.parents.tolist() == [-1, -1, 0, 1]
-    assert torch.equal(p.draft_probs, probs[:4])
-    assert prune_tree(t, 3) is t
+def test_prune_keeps_shallow_nodes_as_a_prefix():
+    t = _tree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2], tree_id=7)
+    p = prune(t, 2)
+    assert p.tokens == [1, 2, 3, 4] and p.parents == [-1, -1, 0, 1] and p.tree_id == 7  # its laws: rows 0..3
+    assert prune(t, 3) is t
+
+
+# ------------------------------------------------------------------------------------------ negative controls
+def _pipelined_pair_pvalue(target: str, draft: str, n: int) -> tuple[float, LLM]:
+    """test_distribution_with_pipelining's sampling and chi-square, as one function of the engine's code."""
+    prompt, temperature = [1, 5, 7], 1.0
+    exact = _exact_law(target, prompt, temperature).flatten()  # [V * V]
+    llm = LLM(target, speculative_config={**spec(draft, branching=[2, 1]), "pipeline": True}, max_num_seqs=512)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=1000 + i, ignore_eos=True)
+              for i in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    vocab = int(exact.numel() ** 0.5)
+    counts = torch.zeros(vocab * vocab)
+    for o in outs:
+        counts[o.token_ids[1] * vocab + o.token_ids[2]] += 1
+    expected = exact * n
+    order = torch.argsort(expected, descending=True)
+    keep, rest = order[expected[order] >= 5], order[expected[order] < 5]
+    obs = torch.cat([counts[keep], counts[rest].sum().view(1)])
+    exp = torch.cat([expected[keep], expected[rest].sum().view(1)])
+    return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue, llm
+
+
+def test_distribution_test_catches_a_wrong_law_with_pipelining(small_vocab, monkeypatch):
+    """The chi-square test above, pipelining on, with every tree verified against a law other than the one its
+    candidates were drawn from (q^(1/2): the draft at twice its temperature), must fail.
+
+    Only a few of its (t2, t3) samples come from pre-drafted trees (hits are rare on these random models at
+    T = 1), so this shows the harness's power on the pipelined engine, not on the hit path alone; the hit path
+    is held to the law by construction (a hit tree is the tree a re-draft would give: the seeded identity
+    tests) and by the cache check with pipelining on (tests/test_cache_bookkeeping.py).
+    """
+    import workers.draft_worker as draft_worker
+
+    target, draft = small_vocab
+    real = draft_worker.draw_children
+
+    def flatter_q(q, k, mode, generator):
+        tokens, laws = real(q, k, mode, generator)
+        wrong = laws.sqrt()  # the draws still come from q
+        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
+
+    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    p_value, llm = _pipelined_pair_pvalue(target, draft, 1500)
+    assert llm.engine.pipeline.stats.hits > 0
+    assert p_value < 1e-6, f"a wrong q went unnoticed with pipelining on (p = {p_value:.2e})"
+
+
+def test_a_broken_prefix_match_is_caught(llama, monkeypatch):
+    """Using a pre-drafted tree whose predicted prefix is not the real one (here: the first anchor's tree
+    whenever no prediction came true) changes seeded outputs, which the seeded identity test above catches.
+
+    It is not a distribution error, and no distribution test can see it: the tree's candidates were drawn from
+    the laws the verifier is given, and a proposal that does not depend on the verifier's draws is verified
+    exactly whatever prefix it was drafted for (it only accepts less).
+    """
+    import engine.pipelined_drafter as pd
+
+    real_match = pd.match_prediction
+
+    def sloppy(chain, res, real):
+        m = real_match(chain, res, real)
+        if m.tree is None and res.trees:
+            m.tree = res.trees[0]
+        return m
+
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=11, ignore_eos=True)
+    cfg = spec(llama.perturbed, branching=[2, 1, 1], sampling="iid")
+    off, _ = _run(llama.target, cfg, params)
+    on, _ = _run(llama.target, {**cfg, "pipeline": True}, params)
+    assert on == off
+    monkeypatch.setattr(pd, "match_prediction", sloppy)
+    broken, eng = _run(llama.target, {**cfg, "pipeline": True}, params)
+    assert eng.pipeline.stats.hits == eng.pipeline.stats.predrafted  # every round took a pre-drafted tree
+    assert broken != off

@@ -1,8 +1,7 @@
 """Scheduler and block accounting on hand-made requests (pure Python: no model runs).
 
-``play`` stands in for the engine: it applies a scheduled batch to the requests' counters the way the
-controller does (prefill chunks become committed; a round commits the in-flight tokens plus ``accept`` nodes
-and emits accept + 1 tokens).
+``play`` stands in for the workers: it makes up a round's results (``accept`` nodes accepted, accept + 1 tokens)
+and applies them through the scheduler's own ``update_from_output``, then emits the tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from workers.messages import VerifyResult
 
 
 def make_req(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Request:
@@ -25,33 +25,33 @@ def make_req(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Request:
 
 def make_sched(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_seqs: int = 8, nodes: int = 0,
                draft: bool = False) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, block_size=block_size)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
     return Scheduler(cfg, BlockManager(num_blocks, block_size),
                      BlockManager(num_blocks, block_size) if draft else None, nodes)
 
 
 def play(sched: Scheduler, batch: ScheduledBatch, accept: int = 0) -> list[Request]:
-    """Apply a batch like the engine does; returns the requests that finished."""
-    done = []
+    """Apply made-up results of a batch through the scheduler; returns the requests that finished."""
     for c in batch.prefills:
         assert c.start == c.req.num_cached_target
-        c.req.num_cached_target = c.end
-        if sched.draft_blocks is not None:
-            c.req.num_cached_draft = c.end
-        if c.completes_prefill and not c.req.output_token_ids:
-            c.req.output_token_ids.append(7)  # the first token, sampled at the end of the prompt
+    results, drafted, cached_draft = [], [], {}
     for r in batch.rounds:
         n = min(accept, r.remaining_tokens - 1, sched.num_tree_nodes)
-        r.num_cached_target = r.num_tokens + n
+        results.append(VerifyResult(list(range(n)), [7] * (n + 1), n, n == sched.num_tree_nodes))
+        drafted.append(sched.num_tree_nodes)
         if sched.draft_blocks is not None:
-            r.num_cached_draft = r.num_tokens + n
-        r.output_token_ids += [7] * (n + 1)
+            cached_draft[r.seq_id] = r.num_tokens + n
+    sched.update_from_output(batch, results, drafted, cached_draft)
+    for c in batch.prefills:
+        if c.completes_prefill and not c.req.output_token_ids:
+            c.req.output_token_ids.append(7)  # the first token, sampled at the end of the prompt
+    for r, res in zip(batch.rounds, results, strict=True):
+        r.output_token_ids += res.tokens
+    done = []
     for r in [c.req for c in batch.prefills] + batch.rounds:
         if r.output_token_ids and r.remaining_tokens <= 0 and not r.finished:
             sched.finish(r, FinishReason.LENGTH)
             done.append(r)
-        elif not r.finished:
-            sched.after_commit(r)
     return done
 
 
@@ -162,13 +162,13 @@ def test_capacity_error_names_the_sizes() -> None:
                                          r"of 16 tokens"):
         sched.add(make_req(1, 6, max_tokens=8))
     # The smaller pool decides.
-    sched = Scheduler(SchedulerConfig(block_size=4), BlockManager(8, 4), BlockManager(2, 4), 0)
+    sched = Scheduler(SchedulerConfig(), BlockManager(8, 4), BlockManager(2, 4), 0)
     with pytest.raises(ValueError, match="capacity of 8 tokens"):
         sched.add(make_req(0, 5, max_tokens=4))
 
 
 def test_scheduler_config_validation() -> None:
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
         with pytest.raises(ValueError, match=name):
             SchedulerConfig(**{name: 0})
 
@@ -258,7 +258,7 @@ def test_an_older_request_preempts_the_newest_to_grow() -> None:
     assert [(c.req, c.start, c.end) for c in batch.prefills] == [(new, 0, 8)]
 
 
-def test_after_commit_trims_target_scratch_and_keeps_draft_scratch_for_its_commit() -> None:
+def test_a_round_trims_target_scratch_and_keeps_draft_scratch_for_its_commit() -> None:
     sched = make_sched(block_size=2, nodes=6, draft=True)
     a = make_req(0, 3)
     sched.add(a)
@@ -316,3 +316,29 @@ def test_random_workload_finishes_everything_without_leaks() -> None:
         if sched.draft_blocks is not None:
             assert sched.draft_blocks.num_free == sched.draft_blocks.num_blocks
     assert total_preempted > 0, "the pools were meant to be tight enough to preempt"
+
+
+def test_policy_depth_and_exact_reservation() -> None:
+    """The scheduler sets each round's depth (remaining tokens, contexts) and reserves exactly the nodes of the
+    tree cut to that depth; update_from_output moves the counters."""
+    from scheduler.spec_policy import SpecPolicy, TreeShape
+
+    policy = SpecPolicy(TreeShape((2, 2, 1)), max_model_len=64, draft_max_len=12)
+    assert [policy.num_nodes(d) for d in range(4)] == [0, 2, 6, 10]
+    assert policy.depth(num_tokens=5, remaining_tokens=10) == 3
+    assert policy.depth(num_tokens=5, remaining_tokens=3) == 2  # one token is the recovered/bonus one
+    assert policy.depth(num_tokens=10, remaining_tokens=10) == 2  # candidates stay inside the draft's context
+    assert policy.depth(num_tokens=63, remaining_tokens=10) == 0  # the target's context is full
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=1)
+    sched = Scheduler(cfg, BlockManager(64, 1), BlockManager(64, 1), 10, policy=policy)
+    a = make_req(0, 4, max_tokens=4)
+    sched.add(a)
+    play(sched, sched.schedule())  # prefill: 4 committed, the first token in flight
+    assert (a.num_cached_target, a.num_cached_draft, a.num_tokens) == (4, 4, 5)
+    batch = sched.schedule()
+    assert batch.rounds == [a] and batch.depths == [2]  # 3 tokens left: 2 candidates + 1
+    assert len(sched.target_blocks.tables[0]) == 5 + 6  # every token so far + the depth-2 tree's 6 nodes
+    sched.update_from_output(batch, [VerifyResult([1], [9, 9], 1, False)], [6], {0: 6})
+    assert (a.num_cached_target, a.num_cached_draft) == (6, 6)  # in-flight token + 1 accepted node
+    assert len(sched.target_blocks.tables[0]) == 6  # the target's scratch is given back at once
+    assert (a.stats.num_rounds, a.stats.num_drafted, a.stats.num_accepted, a.stats.num_bonus) == (1, 6, 1, 0)

@@ -83,10 +83,10 @@ def run_with_kills(llm: LLM, kills: list[tuple[int, str, int]], deadline_s: floa
             killed_at, failures = time.monotonic(), len(engine.recovery.stats.failures)
             while len(engine.recovery.stats.failures) == failures:
                 assert time.monotonic() < deadline
-                for o in engine.step():
+                for o in engine.step_finished():
                     outs[o.request_id] = o.token_ids
             noticed.append(engine.recovery.stats.noticed_at[-1] - killed_at)
-        for o in engine.step():
+        for o in engine.step_finished():
             outs[o.request_id] = o.token_ids
         step += 1
     assert not todo, f"the job finished before step {todo[0][0]}"
@@ -100,13 +100,13 @@ def test_dead_draft_on_zmq_is_noticed_in_seconds_and_the_error_names_it(ray_clus
         engine = llm.engine
         for i, p in enumerate(TP_PROMPTS):
             engine.add_request(str(i), p, GREEDY)
-        engine.step()
-        engine.step()
+        engine.step_finished()
+        engine.step_finished()
         os.kill(pid_of(llm, "draft", 0), signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(TooManyRestartsError, match="draft rank 0 died") as err:
             for _ in range(50):
-                engine.step()
+                engine.step_finished()
         assert time.monotonic() - start < DETECT_S
         assert isinstance(err.value.__cause__, WorkerDiedError)
         assert err.value.__cause__.role == "draft" and err.value.__cause__.rank == 0
@@ -145,19 +145,19 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
             engine.add_request(str(i), p, GREEDY)
         outs: dict[str, list[int]] = {}
         for _ in range(2):
-            engine.step()
+            engine.step_finished()
         os.kill(pid_of(llm, "draft", 0), signal.SIGKILL)
         start = time.monotonic()
         while not engine.recovery.stats.failures:
             assert time.monotonic() - start < DETECT_S
-            engine.step()
+            engine.step_finished()
         assert engine.recovery.stats.noticed_at[0] - start < DETECT_S
         assert not engine.draft_up and engine.recovery.degraded
         plain_before = engine.stats.num_plain_rounds
         deadline = time.monotonic() + 240
         while engine.has_unfinished:
             assert time.monotonic() < deadline
-            for o in engine.step():
+            for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
         assert [outs[str(i)] for i in range(len(TP_PROMPTS))] == reference[0]
         assert engine.stats.num_plain_rounds > plain_before  # decoded without the draft meanwhile
@@ -166,7 +166,7 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
             assert time.monotonic() < deadline
             if not engine.has_unfinished:
                 engine.add_request(f"filler-{time.monotonic()}", TP_PROMPTS[0], GREEDY)
-            engine.step()
+            engine.step_finished()
         assert engine.draft_up and engine.recovery.stats.restarts == {"draft": 1}
         assert len(engine.recovery.stats.recovery_s) == 1
         rounds = engine.stats.num_rounds
@@ -207,7 +207,7 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
         for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True)):
             engine.add_request(str(i), p, sp)
         outs: dict[str, list[int]] = {}
-        for o in engine.step():
+        for o in engine.step_finished():
             outs[o.request_id] = o.token_ids
         # Requests in flight; the forger's frames are all queued at our sockets before the job goes on.
         forged = subprocess.run([sys.executable, "-c", FORGER, *addrs], env={**os.environ}, timeout=120)
@@ -215,7 +215,7 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
         deadline = time.monotonic() + 120
         while engine.has_unfinished:
             assert time.monotonic() < deadline
-            for o in engine.step():
+            for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
         dropped = ex._auth.dropped
         assert engine.recovery.stats.failures == []

@@ -52,14 +52,14 @@ def test_node_loss(cluster, tp_models: TPModels) -> None:
         for i, p in enumerate(TP_PROMPTS):
             engine.add_request(str(i), p, GREEDY)
         outs: dict[str, list[int]] = {}
-        engine.step()
+        engine.step_finished()
         nodes["C"] = c.add_node(num_cpus=1, num_gpus=1)
         c.wait_for_nodes()
         c.remove_node(nodes["B"], allow_graceful=False)
         deadline = time.monotonic() + 240
         while engine.has_unfinished:
             assert time.monotonic() < deadline
-            for o in engine.step():
+            for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
         stats = engine.recovery.stats
         assert stats.restarts == {"draft": 1}
@@ -69,9 +69,9 @@ def test_node_loss(cluster, tp_models: TPModels) -> None:
         # The target's node goes: no node has 2 GPUs any more.
         for i, p in enumerate(TP_PROMPTS):
             engine.add_request(f"again-{i}", p, GREEDY)
-        engine.step()
+        engine.step_finished()
         c.remove_node(nodes["T"], allow_graceful=False)
         with pytest.raises(RuntimeError, match="restarting the target workers: could not place.*the plan needs 2"):
             while engine.has_unfinished:
                 assert time.monotonic() < deadline
-                engine.step()
+                engine.step_finished()

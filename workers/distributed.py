@@ -66,10 +66,6 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier(group=self.group)
-
     def broadcast_int_lists(self, lists: list[list[int]] | None, count: int, device: torch.device | str = "cpu",
                             src: int = 0) -> list[list[int]]:
         """Rank ``src`` sends ``count`` lists of ints; every rank returns them (plain tensors, no pickle).

@@ -48,12 +48,6 @@ class KVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots: [B, L] long -> k, v: [B, L, Hkv, D] (copies)."""
-        flat = slots.reshape(-1)
-        shape = (*slots.shape, *self.k[layer].shape[1:])
-        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
-
     def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """blocks: [B, nb] long -> k, v: [B, nb * block_size, Hkv, D] (copies): each row's blocks laid end to end."""
         b, nb = blocks.shape

@@ -119,9 +119,7 @@ class ModelConfig:
     @staticmethod
     def from_hf(hf: Any, generation_config_path: str | None = None) -> ModelConfig:
         """Flatten a transformers config object (v4 or v5 spellings)."""
-        archs = getattr(hf, "architectures", None) or []
-        if not archs:
-            raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+        archs = getattr(hf, "architectures", None) or [_architecture_of(hf.model_type)]
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         rope_theta, rope_scaling = _rope_params(hf)
@@ -149,6 +147,17 @@ class ModelConfig:
             hidden_act=getattr(hf, "hidden_act", "silu"),
             **flags,
         )
+
+
+def _architecture_of(model_type: str) -> str:
+    """The causal-LM class transformers builds for a config without ``architectures`` (it goes by model_type)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if arch is None:
+        raise ValueError(f"config.json has no 'architectures' entry and model_type {model_type!r} has no causal-LM "
+                         "class in transformers; add \"architectures\": [\"...ForCausalLM\"]")
+    return arch
 
 
 def _family_flags(hf: Any) -> dict[str, Any]:

@@ -25,9 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Below this temperature a row is sampled greedily (vLLM uses the same epsilon): dividing by a tiny T only
-# turns the softmax into a one-hot with rounding noise, so we produce the exact one-hot instead.
-GREEDY_TEMPERATURE = 1e-5
+from scheduler.sampling_params import GREEDY_TEMPERATURE  # the one greedy predicate: T < GREEDY_TEMPERATURE
 
 
 @dataclass

@@ -1,12 +1,23 @@
-"""``specserve bench compare``: every decoding mode side by side, one run, same prompts, same settings.
+"""``specserve bench compare``: every decoding mode side by side, on the same prompts with the same settings.
 
-Modes: transformers ``generate``, transformers assisted generation (``assistant_model``, batch 1 only, as
-transformers supports it), specserve without speculation, with chain speculation, with tree speculation at the
-same verification budget (nodes verified per round), and chain speculation pipelined. For each temperature and
-batch size it prints output tokens/s, mean acceptance length, ratios, and where the engine's time goes against
-the cycle-cost model: time per token = (draft + verify + commit per round) / tokens per round.
+Modes: transformers ``generate``; transformers assisted generation (``assistant_model``, batch 1 as transformers
+supports it; with its default schedule, and with K constant to match ours); specserve without speculation, with
+a chain of K, with a tree at the same verification budget (nodes verified per round), and the chain pipelined.
 
-    python -m engine.benchmarks.compare --json runs/compare.json
+For each temperature and batch size (the prompts run in groups of that size): output tokens/s, the median over
+``--repeats`` with the modes interleaved within each repeat and warm-up runs excluded; mean acceptance length
+(tokens per verify round, the bonus/recovered token included) and acceptance rate (accepted / drafted); ratios
+against the chain, HF assisted and HF generate; at temperature 0, how many outputs equal HF generate's token for
+token (every mode generates exactly ``--max-tokens`` tokens; a near-tie can flip an argmax between differently
+ordered float sums, so a rare mismatch after many tokens is numerics, not a bug); and where the engine's time
+goes per output token against the cycle-cost model: (draft + verify + state) / tokens. Once, at batch 1: the
+engine's decode step and the bare target forward against the memory floor (engine/benchmarks/floor.py).
+
+On CPU the default models' fp16 weights run in float32 (``--dtype``): half-precision matmuls have no fast path
+on CPUs without AVX512-FP16, for transformers as for us.
+
+    specserve bench compare --json runs/compare.json
+    specserve bench compare --num-prompts 2 --max-tokens 16 --repeats 1      # a quick smoke run
 """
 
 from __future__ import annotations
@@ -14,182 +25,295 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.config import default_model_dirs
+from engine.benchmarks.floor import measure_floor, report_floor
+from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
+from scheduler.sampling_params import SamplingParams, is_greedy
 
-DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "default_models",
-                               "prompts.jsonl")
+ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined")
+HF_MODES = ("hf_generate", "hf_assisted", "hf_assisted_constant_k")  # the assisted ones at batch 1 only
 
 
 @dataclass
-class Result:
+class Row:
     mode: str
     temperature: float
     batch: int
-    tokens: int
-    seconds: float
-    acceptance_length: float | None = None
-    breakdown: dict | None = None
+    tokens: int = 0  # per repeat
+    seconds: list[float] = field(default_factory=list)  # one per repeat
+    acceptance_length: list[float] = field(default_factory=list)
+    acceptance_rate: list[float] = field(default_factory=list)
+    breakdown: dict | None = None  # the engine's StepTimes of the last repeat
     pipeline: dict | None = None
+    greedy_match_vs_hf: str | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        return self.tokens / statistics.median(self.seconds) if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
+        return {**d, "tok_s": self.tok_s, "cycle_model": cycle_model(self)}
 
 
-def load_prompts(path: str, n: int, tokenizer: Any) -> list[list[int]]:
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    out = []
-    for r in rows[:n]:
-        out.append(r["prompt_token_ids"] if "prompt_token_ids" in r else tokenizer.encode(r["prompt"]))
-    return out
+def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
+    """Token ids of ``n`` prompts no longer than ``max_len`` (reused when the file has fewer); random ids when
+    there is no prompt file."""
+    out: list[list[int]] = []
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    ids = r["prompt_token_ids"] if "prompt_token_ids" in r else tokenizer.encode(r["prompt"])
+                    if 0 < len(ids) <= max_len:
+                        out.append(list(ids))
+    if not out:
+        gen = torch.Generator().manual_seed(0)
+        out = [torch.randint(1, vocab, (32,), generator=gen).tolist() for _ in range(n)]
+    while len(out) < n:
+        out += out[: n - len(out)]
+    return out[:n]
 
 
-def _batches(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
-    return [prompts[i: i + batch] for i in range(0, len(prompts), batch)]
+class HF:
+    """transformers ``generate`` on the target, optionally assisted by the draft; EOS never stops it."""
+
+    def __init__(self, target: str, draft: str, dtype: torch.dtype, device: str, pad_id: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
+        for m in (self.model, self.draft):
+            m.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
+            m.generation_config.pad_token_id = pad_id
+        self.pad_id, self.device = pad_id, device
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
+                 assisted: bool = False, k: int | None = None) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # left pad
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        kw: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens}
+        if is_greedy(temperature):
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        if assisted:
+            kw["assistant_model"] = self.draft
+            if k is not None:
+                kw.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                          assistant_confidence_threshold=0.0)
+        return self.model.generate(ids, attention_mask=mask, **kw)[:, width:].tolist()
 
 
-def run_hf(target: str, draft: str | None, prompts: list[list[int]], batch: int, temperature: float,
-           max_tokens: int, pad_id: int) -> Result:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval() if draft else None
-    kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "pad_token_id": pad_id}
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    else:
-        kwargs.update(do_sample=False)
-    if assistant is not None:
-        kwargs["assistant_model"] = assistant
-    tokens, seconds = 0, 0.0
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        for group in _batches(prompts, batch):
-            width = max(len(p) for p in group)
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            start = time.perf_counter()
-            out = model.generate(ids, attention_mask=mask, **kwargs)
-            seconds += time.perf_counter() - start
-            tokens += (out.shape[1] - width) * len(group)
-    name = "hf_assisted" if draft else "hf_generate"
-    return Result(name, temperature, batch, tokens, seconds)
+def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
+               row: Row | None) -> list[list[int]]:
+    """All groups through the engine, one generate call each; statistics of this run go into ``row``."""
+    eng = llm.engine
+    eng.stats.__init__()
+    eng.times.__init__()
+    if eng.pipeline is not None:
+        eng.pipeline.stats.__init__()
+    outs = []
+    for i, group in enumerate(groups):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=1000 * i + j)
+                  for j in range(len(group))]
+        outs += [o.token_ids for o in llm.generate(group, params)]
+    if row is None:
+        return outs
+    row.breakdown = eng.times.as_dict()
+    row.pipeline = eng.pipeline.stats.as_dict() if eng.pipeline is not None else None
+    if eng.config.speculative is not None:
+        s = eng.stats.as_dict()
+        row.acceptance_length.append(s["mean_acceptance_length"])
+        drafted = s.get("drafted_tokens") or 0
+        row.acceptance_rate.append(s.get("accepted_tokens", 0) / drafted if drafted else 0.0)
+    return outs
 
 
-def run_engine(mode: str, target: str, spec: dict | None, prompts: list[list[int]], batch: int,
-               temperature: float, max_tokens: int, backend: str | None) -> Result:
-    from engine import LLM, SamplingParams
-
-    llm = LLM(target, speculative_config=spec, distributed_executor_backend=backend, max_num_seqs=max(batch, 8))
-    try:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=temperature, ignore_eos=True))  # warm-up
-        eng = llm.engine
-        eng.stats.__init__()
-        eng.times.__init__()
-        if eng.pipeline is not None:
-            eng.pipeline.stats.__init__()
-        tokens, seconds = 0, 0.0
-        for i, group in enumerate(_batches(prompts, batch)):
-            params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                                     seed=1000 * i + j) for j in range(len(group))]
-            start = time.perf_counter()
-            outs = llm.generate(group, params)
-            seconds += time.perf_counter() - start
-            tokens += sum(len(o.token_ids) for o in outs)
-        acc = eng.stats.mean_acceptance_length if spec else None
-        pipe = eng.pipeline.stats.as_dict() if eng.pipeline is not None else None
-        return Result(mode, temperature, batch, tokens, seconds, acc, eng.times.as_dict(), pipe)
-    finally:
-        llm.shutdown()
-
-
-def cycle_model(r: Result) -> dict | None:
-    """Predicted seconds per token from the breakdown vs the measured wall time per token."""
+def cycle_model(r: Row) -> dict | None:
+    """Predicted seconds per token from the engine's breakdown vs the measured wall time per token."""
     b = r.breakdown
-    if not b or not b["steps"] or not r.tokens:
+    if not b or not b.get("steps") or not r.tokens:
         return None
-    draft = b["draft_wall_s"] + b["collect_s"]
-    verify = b["verify_wall_s"]
-    state = b["commit_s"] + b["schedule_s"]
-    return {"draft_s_per_tok": (draft / r.tokens), "verify_s_per_tok": verify / r.tokens,
+    draft = b.get("draft_wall_s", 0.0) + b.get("collect_s", 0.0)
+    verify = b.get("verify_wall_s", 0.0)
+    state = b.get("commit_s", 0.0) + b.get("schedule_s", 0.0)
+    return {"draft_s_per_tok": draft / r.tokens, "verify_s_per_tok": verify / r.tokens,
             "state_s_per_tok": state / r.tokens, "model_s_per_tok": (draft + verify + state) / r.tokens,
-            "measured_s_per_tok": r.seconds / r.tokens}
+            "measured_s_per_tok": r.seconds[-1] / r.tokens}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="specserve bench compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=None, help="default: the built-in target")
+    ap.add_argument("--draft", default=None, help="default: the built-in draft")
+    ap.add_argument("--prompts", default=str(DEFAULT_MODELS_DIR / "prompts.jsonl"),
+                    help="JSONL with 'prompt' or 'prompt_token_ids' (random prompts when the file is missing)")
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per run (reused to fill a larger batch)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="chain length")
+    ap.add_argument("--tree", default="2,1", help="tree branching at the chain's node budget (2,1: 4 nodes)")
+    ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the tables show medians)")
+    ap.add_argument("--modes", default=",".join(HF_MODES + ENGINE_MODES), help="comma-separated subset")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in this process")
+    ap.add_argument("--dtype", default="float32", help="compute dtype for transformers and specserve")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", choices=["uni", "ray"], default=None, help="specserve's executor")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers modes")
+    ap.add_argument("--skip-floor", action="store_true", help="no decode-step vs memory-floor measurement")
+    ap.add_argument("--json", default=None, help="write every result here")
+    return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specserve bench compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--prompts", default=DEFAULT_PROMPTS)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4, help="chain length")
-    ap.add_argument("--tree", default="2,1", help="tree branching with the same node budget as the chain "
-                    "(default 2,1: 4 nodes, like a chain of 4)")
-    ap.add_argument("--temperatures", default="0,0.8")
-    ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads in this process")
-    ap.add_argument("--backend", choices=["uni", "ray"], default=None)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--json", default=None, help="write every result here")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
         args.target, args.draft = args.target or t, args.draft or d
+    from engine.llm import LLM
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 
-    tok = load_tokenizer(args.target)
-    prompts = load_prompts(args.prompts, args.num_prompts, tok)
-    pad = ModelConfig.from_pretrained(args.target).eos_token_ids[0]
+    modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
+    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
+    cfg = ModelConfig.from_pretrained(args.target)
+    batches = [int(x) for x in args.batches.split(",") if x]
+    temps = [float(x) for x in args.temperatures.split(",") if x]
     tree = [int(x) for x in args.tree.split(",")]
+    n = args.max_tokens
+    prompts = load_prompts(args.prompts, load_tokenizer(args.target), cfg.vocab_size,
+                           max([args.num_prompts, *batches]), cfg.max_model_len - n - args.k - 2)
+    kv = max(batches) * (max(len(p) for p in prompts) + n + 64)
     chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k}
-    modes = [("specserve_nospec", None), ("specserve_chain", chain),
-             ("specserve_tree", {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree}),
-             ("specserve_pipelined", {**chain, "pipeline": True})]
-    results: list[Result] = []
-    for temp in [float(x) for x in args.temperatures.split(",")]:
-        for batch in [int(x) for x in args.batches.split(",")]:
-            if not args.skip_hf:
-                results.append(run_hf(args.target, None, prompts, batch, temp, args.max_tokens, pad))
-                if batch == 1:
-                    results.append(run_hf(args.target, args.draft, prompts, batch, temp, args.max_tokens, pad))
-            for name, spec in modes:
-                results.append(run_engine(name, args.target, spec, prompts, batch, temp, args.max_tokens,
-                                          args.backend))
-                r = results[-1]
-                print(f"  T={temp} batch={batch} {name}: {r.tok_s:.1f} tok/s", flush=True)
-    report(results)
+    specs = {"specserve_nospec": "none", "specserve_chain": chain,
+             "specserve_tree": {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree},
+             "specserve_pipelined": {**chain, "pipeline": True}}
+    print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
+    hf = None
+    if any(m.startswith("hf_") for m in modes) or not args.skip_floor:
+        pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+        hf = HF(args.target, args.draft, getattr(torch, args.dtype), args.device, pad)
+    llms = {m: LLM(args.target, specs[m], dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
+                   num_kv_tokens=kv, distributed_executor_backend=args.backend)
+            for m in ENGINE_MODES if m in modes or (m == "specserve_nospec" and not args.skip_floor)}
+    try:
+        rows = run_all(args, modes, hf, llms, prompts, batches, temps)
+        floor = None
+        if not args.skip_floor:
+            floor = measure_floor(llms["specserve_nospec"], hf.model, prompts[: args.num_prompts], n, args.repeats)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    summary = summarize(rows, args.k)
+    report(args, rows, summary)
+    if floor is not None:
+        report_floor(floor)
+        summary.update(floor)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": [{**r.__dict__, "tok_s": r.tok_s, "cycle_model": cycle_model(r)}
-                                                       for r in results]}, f, indent=1)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__},
+                       "results": [r.as_dict() for r in rows], "summary": summary}, f, indent=1)
     return 0
 
 
-def report(results: list[Result]) -> None:
-    print(f"\n{'T':>4} {'batch':>5} {'mode':<22} {'tok/s':>8} {'acc.len':>7} {'vs chain':>8} {'vs HF-asst':>10}")
-    for key in sorted({(r.temperature, r.batch) for r in results}):
-        group = [r for r in results if (r.temperature, r.batch) == key]
-        by = {r.mode: r for r in group}
-        chain = by.get("specserve_chain")
-        hf_asst = by.get("hf_assisted")
-        for r in group:
-            vs_chain = f"{r.tok_s / chain.tok_s:.2f}x" if chain and chain.tok_s else "-"
-            vs_hf = f"{r.tok_s / hf_asst.tok_s:.2f}x" if hf_asst and hf_asst.tok_s else "-"
-            acc = f"{r.acceptance_length:.2f}" if r.acceptance_length else "-"
-            print(f"{key[0]:>4} {key[1]:>5} {r.mode:<22} {r.tok_s:>8.1f} {acc:>7} {vs_chain:>8} {vs_hf:>10}")
-    print("\nwhere the engine's time goes (ms per output token; model = draft + verify + state):")
-    for r in results:
+def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dict[str, Any],
+            prompts: list[list[int]], batches: list[int], temps: list[float]) -> list[Row]:
+    n = args.max_tokens
+    rows: list[Row] = []
+    for temp in temps:
+        for batch in batches:
+            ps = prompts[: max(args.num_prompts, batch)]
+            groups = [ps[i: i + batch] for i in range(0, len(ps), batch)]
+            runs: dict[str, Callable[[Row | None], list[list[int]]]] = {}
+            for m in modes:
+                if m.startswith("hf_assisted") and batch != 1:
+                    continue  # transformers assists batch 1 only
+                if m.startswith("hf_"):
+                    def hf_run(row, m=m, g=groups, t=temp):
+                        return [o for i, grp in enumerate(g) for o in hf.generate(
+                            grp, n, t, 1000 * i, assisted=m != "hf_generate",
+                            k=args.k if m == "hf_assisted_constant_k" else None)]
+                    runs[m] = hf_run
+                else:
+                    runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row)
+            for m in runs:  # warm-up, untimed: the first use of a batch shape allocates
+                if m.startswith("hf_"):
+                    hf.generate(groups[0], 2, temp, 0, assisted=m != "hf_generate")
+                else:
+                    engine_run(llms[m], groups[:1], 2, temp, None)
+            group_rows = {m: Row(m, temp, batch) for m in runs}
+            for rep in range(args.repeats):
+                for m, fn in runs.items():
+                    row = group_rows[m]
+                    t0 = time.perf_counter()
+                    out = fn(row)
+                    row.seconds.append(time.perf_counter() - t0)
+                    row.tokens, row.outputs = sum(len(o) for o in out), out
+                    print(f"  T={temp} batch={batch} repeat {rep + 1}/{args.repeats} {m:<24} "
+                          f"{row.tokens / row.seconds[-1]:8.1f} tok/s", flush=True)
+            ref = group_rows.get("hf_generate")
+            if ref is not None and is_greedy(temp):
+                for row in group_rows.values():
+                    same = sum(a == b for a, b in zip(row.outputs, ref.outputs, strict=True))
+                    row.greedy_match_vs_hf = f"{same}/{len(ref.outputs)}"
+            rows += group_rows.values()
+    return rows
+
+
+def summarize(rows: list[Row], k: int) -> dict:
+    """Ratios per (temperature, batch): each mode against the chain, HF assisted and HF generate."""
+    out: dict[str, Any] = {}
+    for r in rows:
+        by = {x.mode: x for x in rows if (x.temperature, x.batch) == (r.temperature, r.batch)}
+        key = f"T={r.temperature}@{r.batch}:{r.mode}"
+        for base in ("specserve_chain", "hf_assisted", "hf_generate"):
+            b = by.get(base)
+            if b is not None and b is not r and b.tok_s:
+                out[f"{key}_vs_{base}"] = r.tok_s / b.tok_s
+        if r.acceptance_length:
+            out[f"{key}_mean_acceptance_length"] = statistics.median(r.acceptance_length)
+    out["k"] = k
+    return out
+
+
+def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
+    print(f"\ntarget {args.target}\ndraft  {args.draft}\n{args.num_prompts} prompts, {args.max_tokens} tokens each, "
+          f"chain K={args.k}, tree {args.tree}, dtype {args.dtype}, {args.threads} thread(s), median of "
+          f"{args.repeats} repeat(s)\n")
+    print(f"{'T':>4} {'batch':>5} {'mode':<24} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'vs chain':>8} "
+          f"{'vs HF-asst':>10} {'vs HF-gen':>9} {'greedy=HF':>9}")
+    for r in rows:
+        key = f"T={r.temperature}@{r.batch}:{r.mode}"
+
+        def ratio(base: str, key: str = key) -> str:
+            v = summary.get(f"{key}_vs_{base}")
+            return f"{v:.2f}x" if v is not None else "-"
+
+        acc = f"{statistics.median(r.acceptance_length):.2f}" if r.acceptance_length else "-"
+        rate = f"{statistics.median(r.acceptance_rate):.2f}" if r.acceptance_rate else "-"
+        print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<24} {r.tok_s:>8.1f} {acc:>7} {rate:>8} "
+              f"{ratio('specserve_chain'):>8} {ratio('hf_assisted'):>10} {ratio('hf_generate'):>9} "
+              f"{r.greedy_match_vs_hf or '-':>9}")
+    print("\nwhere the engine's time goes (ms per output token, last repeat; model = draft + verify + state):")
+    for r in rows:
         c = cycle_model(r)
         if c:
             print(f"  T={r.temperature} b={r.batch} {r.mode:<22} draft {1e3 * c['draft_s_per_tok']:.2f}  verify "
