@@ -154,6 +154,7 @@ class RayExecutor:
         nodes = {w["node_id"] for w in ray.get([target.describe.remote(), draft.describe.remote()])}
         address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
         ray.get(draft.connect_laws.remote(address, (self._generation["draft"] - 1) << 40))
+        self.endpoints["laws"] = [address]
 
     def _connect(self, role: str) -> None:
         """Watch the role's ranks; on the zmq transport, have them serve and connect to them."""

@@ -46,6 +46,7 @@ class WorkerProcess:
     def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
         self.role = role
         self.secret = secret  # signs and checks every zmq frame (engine/frames.py)
+        self._auths: dict[str, FrameAuth] = {}  # socket -> its signer/checker (dropped-frame counts)
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -96,6 +97,7 @@ class WorkerProcess:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
                 "actor_id": ctx.get_actor_id(), "placement_group_id": ctx.get_placement_group_id(),
                 "bundle_index": _bundle_index(), "threads": torch.get_num_threads(),
+                "frames_dropped": {name: a.dropped for name, a in self._auths.items()},
                 "device": None if self.worker is None else str(self.worker.device)}
 
     def execute(self, payload: bytes) -> bytes:
@@ -134,6 +136,7 @@ class WorkerProcess:
         push = ctx.socket(zmq.PUSH)
         push.connect(controller_addr)
         auth = FrameAuth(self.secret, f"{self.role} rank {self.rank}")
+        self._auths["steps"] = auth
 
         def loop() -> None:
             while not self._stop.is_set():
@@ -165,6 +168,7 @@ class WorkerProcess:
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
         store = self.worker.law_store
         auth = FrameAuth(self.secret, f"the law receiver of target rank {self.rank}")
+        self._auths["laws"] = auth
 
         def loop() -> None:
             try:

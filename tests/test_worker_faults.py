@@ -176,9 +176,13 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
 
 
 FORGER = r"""
-import sys, time, zmq
+import sys, time, torch, zmq
 from engine import codec
+from workers.law_channel import TreeLaws
 from workers.messages import WorkerReply, DraftStep
+# Laws for every tree id the job will use: accepted, they would be the wrong q (a uniform law).
+laws = [TreeLaws(s, t, 128, [0] * 5, [-1], torch.empty(0, dtype=torch.int32), torch.full((128,), 1 / 128))
+        for s in range(8) for t in range(200)]
 ctx = zmq.Context()
 socks = []
 for addr in sys.argv[1:]:
@@ -192,6 +196,7 @@ for _ in range(20):
         s.send_multipart([b"target/1", b"0", bad])  # a reply, unsigned
         s.send_multipart([b"step", codec.encode(DraftStep())])  # a step, unsigned
         s.send_multipart([b"step", codec.encode(DraftStep()), b"\0" * 16, b"\0" * 32])  # wrongly signed
+        s.send_multipart([codec.encode(laws)])  # laws, unsigned
     time.sleep(0.05)
 for s in socks:
     s.close(linger=2000)
@@ -202,7 +207,7 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2) as llm:
         ex = llm.engine.executor
         addrs = [a for eps in ex.endpoints.values() for a in eps]
-        assert len(addrs) == 4 and all(a.startswith("tcp://127.0.0.1:") for a in addrs)  # loopback only
+        assert len(addrs) == 5 and all(a.startswith("tcp://127.0.0.1:") for a in addrs)  # loopback only
         engine = llm.engine
         for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True)):
             engine.add_request(str(i), p, sp)
@@ -218,10 +223,13 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
             for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
         dropped = ex._auth.dropped
+        by_worker = {(w["role"], w["rank"]): w["frames_dropped"] for w in ex.describe()}
         assert engine.recovery.stats.failures == []
     ordered = [outs[str(i)] for i in range(len(PARAMS))]
     assert (ordered[: len(TP_PROMPTS)], ordered[len(TP_PROMPTS):]) == reference
     assert dropped > 0  # the controller's own socket saw and refused forged replies
+    # ... and so did every worker's, and the verifier's law channel.
+    assert all(d["steps"] > 0 for d in by_worker.values()) and by_worker[("target", 0)]["laws"] > 0
 
 
 def test_specserve_generate_survives_a_dead_target_rank0(ray_cluster, tp_models: TPModels, reference, tmp_path,
