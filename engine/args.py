@@ -69,6 +69,10 @@ class EngineArgs:
     placement_timeout_s: float = _arg(ParallelConfig.placement_timeout_s, "seconds to wait for Ray to place the "
                                       "workers before failing with what is missing", type=float,
                                       flags=("--placement-timeout", "--placement-timeout-s"))
+    max_worker_restarts: int = _arg(ParallelConfig.max_worker_restarts, "Ray workers that die are replaced and "
+                                    "their requests re-prefilled, up to this many times per "
+                                    f"{ParallelConfig.worker_restart_window_s:g} s; then the engine stops naming "
+                                    "every failure (0: never restart)", type=int)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,4 +108,5 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, num_kv_tokens=self.num_kv_tokens),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, address=self.address,
                                     backend=self.distributed_executor_backend, transport=self.transport,
-                                    placement_timeout_s=self.placement_timeout_s))
+                                    placement_timeout_s=self.placement_timeout_s,
+                                    max_worker_restarts=self.max_worker_restarts))

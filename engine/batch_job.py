@@ -201,6 +201,7 @@ def run_batch(engine: LLMEngine, lines: Iterable[str | JsonlLine], out: IO[str],
         "speculation": engine.stats.as_dict(),
         "time_breakdown": engine.times.as_dict(),
         **({"pipeline": engine.pipeline.stats.as_dict()} if engine.pipeline is not None else {}),
+        **({"faults": engine.recovery.stats.as_dict()} if engine.recovery is not None else {}),
     }
 
 

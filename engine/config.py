@@ -158,8 +158,16 @@ class ParallelConfig:
     address: str | None = None  # an existing Ray cluster; None starts a local one when Ray is used
     transport: str = "zmq"  # per-round messages: msgpack over zmq, or plain Ray actor calls
     placement_timeout_s: float = 60.0
+    # Ray workers that die are replaced up to this many times per window (engine/recovery.py); 0: never.
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
+        r = self.max_worker_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"max_worker_restarts must be an integer >= 0, got {r!r}")
+        if not self.worker_restart_window_s > 0:
+            raise ValueError(f"worker_restart_window_s must be > 0, got {self.worker_restart_window_s!r}")
         for name in ("tensor_parallel_size", "draft_tensor_parallel_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:

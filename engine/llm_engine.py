@@ -18,17 +18,20 @@ from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
 from engine.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.executor import make_executor
+from engine.faults import WorkerDiedError
 from engine.metrics import SpecDecodingStats, StepTimes
 from engine.outputs import RequestDelta, RequestOutput
 from engine.pipelined_drafter import PipelinedDrafter
+from engine.recovery import Recovery
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
+from scheduler.reset import draft_refilled, requeue_all
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
 from scheduler.spec_policy import SpecPolicy
 from workers.loader import load_tokenizer
-from workers.messages import DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
+from workers.messages import DraftStep, DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 
@@ -36,7 +39,8 @@ _MAX_AUTO_KV_TOKENS = 1 << 17
 
 
 class EngineDeadError(RuntimeError):
-    """A step failed (a worker raised, died or timed out): worker KV state and the controller's counters may
+    """A step failed and could not be recovered (a worker raised or got stuck; workers died more often than
+    max_worker_restarts allows; an in-process worker died): worker KV state and the controller's counters may
     disagree, so the engine refuses further work instead of producing wrong output. Create a new engine."""
 
 
@@ -85,15 +89,9 @@ class LLMEngine:
                                    policy=policy)
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
-        self.drafter: Drafter = NoDrafter()
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
-        if spec is not None:
-            calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
-            if spec.pipeline:
-                self.drafter = self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats,
-                                                                spec.pipeline_width)
-            else:
-                self.drafter = SequentialDrafter(calls, self.tree.branching)
+        self.drafter: Drafter = self._new_drafter()
+        self.draft_up = spec is not None  # False while a dead draft is being replaced: no speculation then
         self._seq_ids = itertools.count()
         self._stop: dict[int, StopChecker] = {}  # seq_id -> stop checks and detokenizer
         self._requests: dict[str, Request] = {}  # unfinished requests by the user's id (for abort)
@@ -101,6 +99,20 @@ class LLMEngine:
         self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
         self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
+        self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
+        # Ray workers can be replaced when they die; in-process ones die with us.
+        self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
+                         if hasattr(self.executor, "begin_restart") else None)
+
+    def _new_drafter(self) -> Drafter:
+        spec = self.config.speculative
+        if spec is None:
+            return NoDrafter()
+        calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
+        if spec.pipeline:
+            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
+            return self.pipeline
+        return SequentialDrafter(calls, self.tree.branching)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -197,12 +209,43 @@ class LLMEngine:
         self._finished_outputs = []
         try:
             self._apply_aborts()
+            if self.recovery is not None:
+                self.recovery.poll()
             if self.scheduler.has_unfinished:
-                self._step()
+                try:
+                    self._step()
+                except WorkerDiedError as e:
+                    if self.recovery is None:
+                        raise
+                    self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
             return self._take_deltas()
         except BaseException as e:
             self._dead = e
             raise
+
+    # ------------------------------------------------------------------------------------- worker recovery
+    def lose_worker_state(self, role: str) -> None:
+        """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
+        if role == "target":
+            self._requeued_ids += [r.seq_id for r in requeue_all(self.scheduler)]
+            if self.draft_up:
+                self.drafter = self._new_drafter()  # nothing pre-drafted or pending survives
+        else:
+            self.drafter = NoDrafter()
+            self.draft_up = False
+
+    def resume_draft(self) -> None:
+        """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
+        tables = self.scheduler.draft_blocks.tables
+        prefills = [PrefillSeq(r.seq_id, tables[r.seq_id], 0, r.all_token_ids[: r.num_cached_target])
+                    for r in self.scheduler.running if r.num_cached_target > 0]
+        if prefills:
+            self.executor.submit_draft(DraftStep(prefills=prefills))
+            self.executor.wait_draft()
+        draft_refilled(self.scheduler)
+        self._requeued_ids.clear()  # the new draft never saw them
+        self.drafter = self._new_drafter()
+        self.draft_up = True
 
     def step_finished(self) -> list[RequestOutput]:
         """One step; the requests that finished in it, whole (for callers that do not stream)."""
@@ -214,7 +257,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
-        trees = self.drafter.propose(batch, finished_ids + [r.seq_id for r in batch.preempted])  # draft
+        gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
+        trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
         self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
         self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine import codec
+from engine.frames import FrameAuth
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -42,8 +43,10 @@ def node_ip() -> str:
 class WorkerProcess:
     """Wrapped by ``ray.remote`` in engine/ray_executor.py (no Ray decorator here: no import-time side effects)."""
 
-    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int) -> None:
+    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
         self.role = role
+        self.secret = secret  # signs and checks every zmq frame (engine/frames.py)
+        self._auths: dict[str, FrameAuth] = {}  # socket -> its signer/checker (dropped-frame counts)
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -94,6 +97,7 @@ class WorkerProcess:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
                 "actor_id": ctx.get_actor_id(), "placement_group_id": ctx.get_placement_group_id(),
                 "bundle_index": _bundle_index(), "threads": torch.get_num_threads(),
+                "frames_dropped": {name: a.dropped for name, a in self._auths.items()},
                 "device": None if self.worker is None else str(self.worker.device)}
 
     def execute(self, payload: bytes) -> bytes:
@@ -114,65 +118,88 @@ class WorkerProcess:
         except Exception:  # the controller re-raises it with the worker's traceback
             return codec.encode(WorkerReply(error=f"{self.role} rank {self.rank}: {traceback.format_exc()}"))
 
-    def serve(self, controller_addr: str) -> str:
-        """Start the zmq loop in a thread; returns the address the controller should push frames to."""
+    def watch(self) -> None:
+        """Never returns while this worker lives: the controller holds the call's reference, which Ray fails
+        the moment the process dies (engine/liveness.py). Takes one of the actor's concurrency slots."""
+        self._stop.wait()
+
+    def serve(self, controller_addr: str, loopback: bool, tag: bytes) -> str:
+        """Start the zmq loop in a thread; returns the address the controller should push frames to.
+        ``loopback``: the controller and every worker share this machine, so bind 127.0.0.1 only. ``tag``: how
+        replies name their sender (role and generation: the controller ignores a replaced worker's replies)."""
         import zmq
 
+        bind_host = "127.0.0.1" if loopback else node_ip()
         ctx = zmq.Context.instance()
         pull = ctx.socket(zmq.PULL)
-        port = pull.bind_to_random_port(f"tcp://{node_ip()}")
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
         push = ctx.socket(zmq.PUSH)
         push.connect(controller_addr)
+        auth = FrameAuth(self.secret, f"{self.role} rank {self.rank}")
+        self._auths["steps"] = auth
 
         def loop() -> None:
             while not self._stop.is_set():
-                op, payload = pull.recv_multipart()
+                parts = auth.open(pull.recv_multipart(), 2)
+                if parts is None:  # not from our controller: logged, never acted on
+                    continue
+                op, payload = parts
                 if op == OP_STOP:
                     break
                 reply = self._handle(op, payload)
                 # Rank 0 answers every frame; other ranks speak only to report an error.
                 if self.rank == 0 or codec.decode(reply).error is not None:
-                    push.send_multipart([self.role.encode(), str(self.rank).encode(), reply])
+                    push.send_multipart(auth.seal([tag, str(self.rank).encode(), reply]))
             pull.close(linger=0)
             push.close(linger=0)
 
         self._thread = threading.Thread(target=loop, name=f"{self.role}-{self.rank}-zmq", daemon=True)
         self._thread.start()
-        return f"tcp://{node_ip()}:{port}"
+        return f"tcp://{bind_host}:{port}"
 
-    def serve_laws(self) -> str:
+    def serve_laws(self, loopback: bool) -> str:
         """Target rank 0: receive the draft's laws (workers/law_channel.py) on a PULL socket of its own, into the
-        verifier's LawStore; returns the address draft rank 0 pushes to. The controller never sees them."""
+        verifier's LawStore; returns the address draft rank 0 pushes to. The controller never sees them.
+        Frames are signed like every other (engine/frames.py): a forged law would be a wrong q."""
         import zmq
 
+        bind_host = "127.0.0.1" if loopback else node_ip()
         pull = zmq.Context.instance().socket(zmq.PULL)
-        port = pull.bind_to_random_port(f"tcp://{node_ip()}")
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
         store = self.worker.law_store
+        auth = FrameAuth(self.secret, f"the law receiver of target rank {self.rank}")
+        self._auths["laws"] = auth
 
         def loop() -> None:
             try:
                 while not self._stop.is_set():
                     if pull.poll(timeout=1000):
-                        store.put(codec.decode(pull.recv()))
+                        parts = auth.open(pull.recv_multipart(), 1)
+                        if parts is not None:
+                            store.put(codec.decode(parts[0]))
             except Exception:
                 store.fail(f"the law receiver of target rank {self.rank} failed: {traceback.format_exc()}")
             finally:
                 pull.close(linger=0)
 
         threading.Thread(target=loop, name="target-laws", daemon=True).start()
-        return f"tcp://{node_ip()}:{port}"
+        return f"tcp://{bind_host}:{port}"
 
-    def connect_laws(self, address: str) -> None:
-        """Draft rank 0: push the laws of every drafted tree to the verifier at ``address``."""
+    def connect_laws(self, address: str, first_tree_id: int) -> None:
+        """Draft rank 0: push the laws of every drafted tree to the verifier at ``address`` (again after the
+        target was replaced). ``first_tree_id``: where a replacement draft starts numbering its trees, so a tree
+        id is never one the verifier may still hold laws for from the draft it replaced."""
         import zmq
 
+        self.worker._next_tree_id = max(self.worker._next_tree_id, first_tree_id)
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(address)
         lock = threading.Lock()  # Ray calls and the zmq loop may both run steps: one sender at a time
+        auth = FrameAuth(self.secret, f"the law sender of draft rank {self.rank}")
 
         def send(laws) -> None:
             with lock:
-                push.send(codec.encode(laws), copy=False)
+                push.send_multipart(auth.seal([codec.encode(laws)]), copy=False)
 
         self.worker.law_sink = send
 

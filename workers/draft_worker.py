@@ -44,19 +44,10 @@ from workers.messages import (
 )
 from workers.proposal import ProposalMode, draw_children
 from workers.sampling import logits_to_probs
+from workers.streams import stream
 from workers.tree_topology import most_probable_path, node_depths, scratch_parents
 from workers.verification import pad_draft_probs
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
-
-_MASK64 = (1 << 64) - 1
-
-
-def stream_seed(seed: int, salt: int, prefix_len: int) -> int:
-    """A 64-bit seed per (request, prefix length): splitmix64 of the pair, so nearby inputs differ widely."""
-    z = ((seed ^ salt) * 0x9E3779B97F4A7C15 + prefix_len) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 @dataclass
@@ -226,11 +217,7 @@ class DraftWorker(WorkerBase):
                           logit_nodes=list(range(first, len(r.parents))))
 
     def _stream(self, spec: SamplingSpec, prefix_len: int) -> torch.Generator | None:
-        if spec.greedy or spec.seed is None:
-            return None
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(stream_seed(spec.seed, self.config.draft_seed_salt, prefix_len))
-        return gen
+        return stream(spec, self.config.draft_seed_salt, prefix_len, self.device)
 
     def _grow(self, reqs: list[_Request], at: list[dict[int, torch.Tensor]]) -> None:
         """Grow every anchor's tree depth by depth; one forward per depth over all requests."""

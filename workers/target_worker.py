@@ -19,6 +19,7 @@ from workers.input_batch import SeqForward
 from workers.law_channel import LawStore
 from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
 from workers.sampling import logits_to_probs, sample
+from workers.streams import TARGET_SALT, stream
 from workers.tree_topology import scratch_parents
 from workers.verification import CandidateTree, verify_batch, verify_greedy
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
@@ -73,7 +74,8 @@ class TargetWorker(WorkerBase):
             return {}
         specs = [p.sample for p in sampled]
         probs = logits_to_probs(logits, sampling_batch(specs, [1] * len(specs), logits.device))  # [S, V]
-        gens = [self.generator(p.seq_id, p.sample) for p in sampled]
+        # The first token is drawn after the whole prompt (streams keyed by position: workers/streams.py).
+        gens = [stream(p.sample, TARGET_SALT, p.base_len + len(p.token_ids), self.device) for p in sampled]
         return dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
 
     def _verify(self, seqs: list[VerifySeq], logits: torch.Tensor) -> list[VerifyResult]:
@@ -100,7 +102,8 @@ class TargetWorker(WorkerBase):
             specs = [seqs[i].sampling for i, _, _ in sampled]
             probs = logits_to_probs(torch.cat([r for _, _, r in sampled]),
                                     sampling_batch(specs, counts, logits.device))  # [sum(N_i + 1), V]
-            gens = [self.generator(seqs[i].seq_id, seqs[i].sampling) for i, _, _ in sampled]
+            gens = [stream(seqs[i].sampling, TARGET_SALT, seqs[i].base_len + len(seqs[i].token_ids), self.device)
+                    for i, _, _ in sampled]
             verified = verify_batch([t for _, t, _ in sampled], list(probs.split(counts)), gens)
             for (i, _, _), res in zip(sampled, verified, strict=True):
                 results[i] = res

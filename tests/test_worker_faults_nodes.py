@@ -1,0 +1,77 @@
+"""Node loss on a fake multi-node Ray cluster (several raylets on this machine, GPUs declared but absent, so the
+workers run on the CPU): the draft's node goes away and the draft moves to another node while every request
+completes identically; then the target's node goes away and nothing else can hold the target's ranks, so the
+engine stops with a placement error that says what is missing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.llm import LLM
+from scheduler.sampling_params import SamplingParams
+from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels
+
+GREEDY = SamplingParams(max_tokens=3 * TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SPEC = {"num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head: the driver only. T: 2 GPUs (the target's ranks). B: 1 GPU (the draft). C (added later): 1 GPU."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # A lost node is declared dead after missed health checks (15 s by default): 1.5 s here, so the placement
+    # error below sees the cluster without it.
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+    ray._common.utils.reset_ray_address()  # other ray.init() calls on this machine must not join it
+    nodes = {"T": c.add_node(num_cpus=1, num_gpus=2), "B": c.add_node(num_cpus=1, num_gpus=1)}
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_node_loss(cluster, tp_models: TPModels) -> None:
+    c, nodes = cluster
+    with LLM(tp_models.target, {"method": "draft_model", "model": tp_models.draft, **SPEC}, tensor_parallel_size=2,
+             placement_timeout_s=10) as llm:
+        engine = llm.engine
+
+        def node_of(role: str) -> set[str]:
+            return {w["node_id"] for w in engine.executor.describe() if w["role"] == role}
+
+        assert node_of("draft") == {nodes["B"].node_id} and node_of("target") == {nodes["T"].node_id}
+        for i, p in enumerate(TP_PROMPTS):
+            engine.add_request(str(i), p, GREEDY)
+        outs: dict[str, list[int]] = {}
+        engine.step_finished()
+        nodes["C"] = c.add_node(num_cpus=1, num_gpus=1)
+        c.wait_for_nodes()
+        c.remove_node(nodes["B"], allow_graceful=False)
+        deadline = time.monotonic() + 240
+        while engine.has_unfinished:
+            assert time.monotonic() < deadline
+            for o in engine.step_finished():
+                outs[o.request_id] = o.token_ids
+        stats = engine.recovery.stats
+        assert stats.restarts == {"draft": 1}
+        assert node_of("draft") == {nodes["C"].node_id}
+        assert [outs[str(i)][:TP_MAX_TOKENS] for i in range(len(TP_PROMPTS))] == tp_models.expected
+
+        # The target's node goes: no node has 2 GPUs any more.
+        for i, p in enumerate(TP_PROMPTS):
+            engine.add_request(f"again-{i}", p, GREEDY)
+        engine.step_finished()
+        c.remove_node(nodes["T"], allow_graceful=False)
+        with pytest.raises(RuntimeError, match="restarting the target workers: could not place.*the plan needs 2"):
+            while engine.has_unfinished:
+                assert time.monotonic() < deadline
+                engine.step_finished()
