@@ -1,0 +1,107 @@
+"""Tiny random DeepSeek-V4 checkpoints and the oracle the V4 tests compare against.
+
+Oracle: transformers' own ``DeepseekV4ForCausalLM``, uncached (the whole sequence in one forward, every
+compressed entry recomputed from scratch), with its indexer's top-k replaced by a stable sort (equal scores:
+lower index first) -- the tie rule our engine uses on every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from workers.compressed_state import SeqState, commit, make_plan
+from workers.models.deepseek_v4 import DeepseekV4ForCausalLM
+from workers.models.deepseek_v4_config import DeepseekV4ModelConfig
+
+TINY = dict(vocab_size=48, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4, num_attention_heads=4,
+            head_dim=16, q_lora_rank=24, partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=6,
+            n_shared_experts=1, sliding_window=3, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8,
+            index_topk=2, hc_mult=2, hc_sinkhorn_iters=5, max_position_embeddings=4096,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention",
+                         "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], bos_token_id=0, eos_token_id=1)
+
+
+def tiny_hf_model(seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers V4 model whose every parameter is non-trivial (sinks, biases, gates too) and
+    whose hash-routing tables give each token distinct experts, as real checkpoints do."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM as HFModel
+
+    cfg = DeepseekV4Config(**{**TINY, **overrides})
+    cfg.architectures = ["DeepseekV4ForCausalLM"]
+    torch.manual_seed(seed)
+    model = HFModel(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("position_bias", "sinks", "base", "hc_base")):
+                p.copy_(0.7 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("scale", "hc_scale")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                e = cfg.n_routed_experts
+                b.copy_(torch.stack([torch.randperm(e, generator=gen)[: b.shape[1]] for _ in range(b.shape[0])]))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def ours_from_hf(hf_model: Any) -> tuple[DeepseekV4ForCausalLM, DeepseekV4ModelConfig]:
+    cfg = DeepseekV4ModelConfig.from_hf(hf_model.config)
+    model = DeepseekV4ForCausalLM(cfg)
+    sd = hf_model.state_dict()
+    model.load_weights((k, v) for k, v in sd.items())
+    return model.eval(), cfg
+
+
+def _stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
+    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+@contextlib.contextmanager
+def stable_indexer_topk() -> Iterator[None]:
+    """Within the block, ``Tensor.topk`` (the indexer's call; the MoE router calls ``torch.topk``) is stable."""
+    original = torch.Tensor.topk
+    torch.Tensor.topk = _stable_topk  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original  # type: ignore[method-assign]
+
+
+@torch.inference_mode()
+def oracle_logits(hf_model: Any, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: transformers' uncached forward with the stable indexer top-k."""
+    with stable_indexer_topk():
+        out = hf_model(torch.tensor([tokens]), use_cache=False)
+    return out.logits[0].float()
+
+
+def chain(n: int) -> list[int]:
+    return [-1] + list(range(n - 1))
+
+
+def feed(model: DeepseekV4ForCausalLM, cfg: DeepseekV4ModelConfig, state: SeqState, tokens: list[int],
+         chunk: int) -> torch.Tensor:
+    """Feed tokens as chains of ``chunk`` (1: serial decode), committing each; logits of every token [n, V]."""
+    out = []
+    for i in range(0, len(tokens), chunk):
+        piece = tokens[i:i + chunk]
+        plan = make_plan(cfg, state.position, chain(len(piece)))
+        logits, scratch = model.run([(state, plan, piece)])
+        commit(state, plan, scratch[0], list(range(len(piece))))
+        out.append(logits)
+    return torch.cat(out)

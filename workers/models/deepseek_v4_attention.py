@@ -1,0 +1,248 @@
+"""DeepSeek-V4 attention: one shared K=V head, sliding window, and the CSA / HCA compressed branches.
+
+Per layer, a query at position t attends (with a learned per-head sink in the softmax) over
+- the raw K=V of positions t - W + 1 .. t (the sliding window),
+- HCA layers: every summary whose window of m' tokens is complete (i < (t + 1) // m');
+- CSA layers: the top-k of the complete summaries (windows of 2m, stride m) picked by the lightning indexer.
+
+The committed state and the tree of new nodes are described in ``workers.compressed_state``; this file only
+computes: projections for all new rows of the batch at once, then per sequence the summaries its nodes
+complete, the indexer's picks and the attention itself.
+
+The indexer's top-k is a *stable* sort: among equal scores the lower summary index wins. Scores tie often
+(ReLU makes many exactly 0), and an unspecified tie order would make prefill, decode and tree verify pick
+different summaries. Candidate columns are laid out committed summaries first, then the new ones in node
+order; for one node the visible new ones are its ancestors, in depth order, so column order is index order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan, \
+    WindowPlan
+from workers.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4ModelConfig, RopeTable
+
+
+class Linear(nn.Module):
+    """y = x W^T with an uninitialised weight (always overwritten by a checkpoint)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 with an fp32 weight, cast back once (as the checkpoint was trained)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * h).to(x.dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_cos_sin(table: RopeTable, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, rope_dim / 2] (one angle per interleaved channel pair)."""
+    inv = torch.tensor(table.inv_freq, dtype=torch.float32, device=positions.device)
+    freqs = positions.float().unsqueeze(-1) * inv
+    return (freqs.cos() * table.scaling).to(dtype), (freqs.sin() * table.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing rope_dim channels of x [T, ..., D]; cos/sin [T, rope_dim / 2]."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+    cos = cos.repeat_interleave(2, dim=-1).view(shape)
+    sin = sin.repeat_interleave(2, dim=-1).view(shape)
+    rd = cos.shape[-1]
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0)
+    rotated = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+class Compressor(nn.Module):
+    """Learned gated pooling of a window of projected rows into one summary (HCA: m rows; CSA: 2m rows)."""
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        cols = 2 * dim if overlap else dim
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.kv_proj = Linear(hidden, cols, dtype)
+        self.gate_proj = Linear(hidden, cols, dtype)
+        self.position_bias = nn.Parameter(torch.empty(ratio, cols, dtype=torch.float32), requires_grad=False)
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] -> kv, gate [T, C] fp32: the rows the accumulators keep."""
+        return self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
+
+    def summarize(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, wp: WindowPlan,
+                  rope: RopeTable, dtype: torch.dtype) -> torch.Tensor:
+        """The summaries one sequence's new nodes complete: kv/gate [N, C] of its new rows -> [S, dim]."""
+        if wp.nodes.numel() == 0:
+            return torch.zeros(0, self.dim, dtype=dtype, device=kv.device)
+        cols = kv.shape[1]
+        pad_kv = torch.zeros(1, cols, dtype=torch.float32, device=kv.device)
+        pad_gate = torch.full((1, cols), float("-inf"), dtype=torch.float32, device=kv.device)
+        src_kv = torch.cat([state.acc_kv, kv, pad_kv])  # [A + N + 1, C]
+        src_gate = torch.cat([state.acc_gate, gate, pad_gate])
+        g_kv, g_gate = src_kv[wp.gather], src_gate[wp.gather]  # [S, L, C]
+        m, d = self.ratio, self.dim
+        if self.overlap:
+            # rows 0..m-1: the previous window, first half-channels; rows m..2m-1: this window, second half
+            w_kv = torch.cat([g_kv[:, :m, :d], g_kv[:, m:, d:]], dim=1)  # [S, 2m, D]
+            w_gate = torch.cat([g_gate[:, :m, :d] + self.position_bias[:, :d],
+                                g_gate[:, m:, d:] + self.position_bias[:, d:]], dim=1)
+        else:
+            w_kv, w_gate = g_kv, g_gate + self.position_bias  # [S, m, D]
+        pooled = (w_kv.to(dtype) * w_gate.softmax(dim=1, dtype=torch.float32).to(dtype)).sum(dim=1)  # [S, D]
+        pooled = self.kv_norm(pooled)
+        cos, sin = rope_cos_sin(rope, wp.index * m, pooled.dtype)  # RoPE at each window's first position
+        return apply_rope(pooled, cos, sin)
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weights_proj = Linear(hidden, heads, dtype)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own compressor (at index_head_dim) plus queries; scores each summary with
+    sum_h w_h * ReLU(q_h . k) / sqrt(index_head_dim)."""
+
+    def __init__(self, cfg: DeepseekV4ModelConfig) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rms_norm_eps, cfg.dtype)
+        self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg.dtype)
+        self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads, cfg.dtype)
+
+
+def stable_topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """scores, visible [N, L] -> [N, L] bool: the k best visible columns per row, ties to the lower column."""
+    if scores.shape[1] == 0:
+        return visible
+    masked = scores.masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
+    chosen = torch.zeros_like(visible).scatter_(1, order, True)
+    return chosen & visible
+
+
+@dataclass
+class SeqSlice:
+    """One sequence of a forward pass: its rows of the flattened batch, its plan, state and scratch."""
+
+    start: int
+    plan: TreePlan
+    layers: list[LayerState]
+    scratch: list[LayerScratch]
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.plan.num_nodes
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.kind = cfg.layer_kinds[layer]
+        self.rope = cfg.rope_main if self.kind == SLIDING else cfg.rope_compress
+        h, d, nh = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        self.num_heads, self.head_dim, self.scale = nh, d, d ** -0.5
+        self.sinks = nn.Parameter(torch.empty(nh, dtype=torch.float32), requires_grad=False)
+        self.q_a_proj = Linear(h, cfg.q_lora_rank, cfg.dtype)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * d, cfg.dtype)
+        self.kv_proj = Linear(h, d, cfg.dtype)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # grouped output projection: each of o_groups head groups -> o_lora_rank, then one mix to hidden
+        self.o_a_proj = Linear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.dtype)
+        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, h, cfg.dtype)
+        self.compressor: Compressor | None = None
+        if self.kind != SLIDING:
+            ratio = cfg.csa_ratio if self.kind == CSA else cfg.hca_ratio
+            self.compressor = Compressor(h, d, ratio, self.kind == CSA, cfg.rms_norm_eps, cfg.dtype)
+            if self.kind == CSA:
+                self.compressor.indexer = Indexer(cfg)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seqs: list[SeqSlice]) -> torch.Tensor:
+        """hidden [T, H] (all new rows of the batch), cos/sin [T, rope/2] of this layer's table -> [T, H]."""
+        t = hidden.shape[0]
+        q_res = self.q_a_norm(self.q_a_proj(hidden))  # [T, q_lora_rank]
+        q = unweighted_rms_norm(self.q_b_proj(q_res).view(t, self.num_heads, self.head_dim), self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)  # [T, Hq, D]
+        kv = apply_rope(self.kv_norm(self.kv_proj(hidden)), cos, sin)  # [T, D]
+        comp = idx = None
+        if self.compressor is not None:
+            comp = self.compressor.project(hidden)  # ([T, C], [T, C]) fp32
+        if self.kind == CSA:
+            indexer: Indexer = self.compressor.indexer  # type: ignore[union-attr, assignment]
+            idx = indexer.project(hidden)
+            iq = indexer.q_b_proj(q_res).view(t, indexer.heads, indexer.dim)
+            iq = apply_rope(iq, cos, sin).float()  # [T, Hi, Di] (compress table, as the layer's)
+            iw = indexer.scorer.weights_proj(hidden).float() * indexer.heads ** -0.5  # [T, Hi]
+        out = torch.empty_like(q)
+        for s in seqs:
+            a, b = s.start, s.stop
+            st, plan = s.layers[self.layer], s.plan
+            scratch = LayerScratch(kv[a:b])
+            comp_keys = comp_visible = None
+            if self.compressor is not None and st.comp is not None and comp is not None:
+                wp = plan.windows[self.kind]
+                new = self.compressor.summarize(st.comp, comp[0][a:b], comp[1][a:b], wp, self.rope, hidden.dtype)
+                scratch.comp = CompressorScratch(comp[0][a:b], comp[1][a:b], new)
+                comp_keys = torch.cat([st.comp.summaries.rows(), new])  # [n_c + S, D]
+                comp_visible = torch.cat([wp.visible_committed, wp.visible_new], dim=1)  # [N, n_c + S]
+                if self.kind == CSA and st.index is not None and idx is not None:
+                    new_i = indexer.summarize(st.index, idx[0][a:b], idx[1][a:b], wp, self.rope,
+                                                         hidden.dtype)
+                    scratch.index = CompressorScratch(idx[0][a:b], idx[1][a:b], new_i)
+                    keys_i = torch.cat([st.index.summaries.rows(), new_i]).float()  # [n_c + S, Di]
+                    scores = F.relu(torch.matmul(iq[a:b], keys_i.T)) * indexer.dim ** -0.5  # [N, Hi, n_c + S]
+                    scores = (scores * iw[a:b].unsqueeze(-1)).sum(dim=1)  # [N, n_c + S]
+                    comp_visible = stable_topk_mask(scores, comp_visible, indexer.topk)
+            out[a:b] = self._attend(q[a:b], st.ring, kv[a:b], plan, comp_keys, comp_visible)
+            s.scratch.append(scratch)
+        out = apply_rope(out, cos, -sin)  # K=V carried RoPE into the output: rotate back by the query position
+        g = self.cfg.o_groups
+        grouped = out.reshape(t, g, -1).transpose(0, 1)  # [g, T, Hq * D / g]
+        w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1]).transpose(1, 2)  # [g, in, o_lora_rank]
+        grouped = torch.bmm(grouped, w).transpose(0, 1).reshape(t, -1)  # [T, g * o_lora_rank]
+        return self.o_b_proj(grouped)
+
+    def _attend(self, q: torch.Tensor, ring: torch.Tensor, kv: torch.Tensor, plan: TreePlan,
+                comp_keys: torch.Tensor | None, comp_visible: torch.Tensor | None) -> torch.Tensor:
+        """q [N, Hq, D] over ring [W, D] + new kv [N, D] (+ summaries [C, D]) -> [N, Hq, D]."""
+        keys = [ring, kv]
+        visible = [plan.ring_visible, plan.new_visible]
+        if comp_keys is not None and comp_visible is not None:
+            keys.append(comp_keys)
+            visible.append(comp_visible)
+        k = torch.cat(keys)  # [L, D]
+        vis = torch.cat(visible, dim=1)  # [N, L]
+        logits = torch.matmul(q.transpose(0, 1), k.T) * self.scale  # [Hq, N, L]
+        logits = logits.masked_fill(~vis, float("-inf"))
+        sinks = self.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, q.shape[0], 1)  # [Hq, N, 1]
+        combined = torch.cat([logits, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = combined.softmax(dim=-1)[..., :-1]  # the sink only takes probability mass
+        return torch.matmul(probs.to(k.dtype), k).transpose(0, 1)  # [N, Hq, D]
+
