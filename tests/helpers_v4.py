@@ -8,6 +8,7 @@ lower index first) -- the tie rule our engine uses on every path.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,7 @@ def tiny_hf_model(seed: int = 0, **overrides: Any) -> Any:
     cfg.architectures = ["DeepseekV4ForCausalLM"]
     torch.manual_seed(seed)
     model = HFModel(cfg).eval()
+    model.set_experts_implementation("eager")  # the reference loop (grouped_mm has no float64)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -58,8 +60,12 @@ def tiny_hf_model(seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-def ours_from_hf(hf_model: Any) -> tuple[DeepseekV4ForCausalLM, DeepseekV4ModelConfig]:
+def ours_from_hf(hf_model: Any, dtype: torch.dtype | None = None) -> tuple[DeepseekV4ForCausalLM,
+                                                                          DeepseekV4ModelConfig]:
+    """Our model with the same weights (``dtype``: default the checkpoint's)."""
     cfg = DeepseekV4ModelConfig.from_hf(hf_model.config)
+    if dtype is not None:
+        cfg = replace(cfg, dtype=dtype)
     model = DeepseekV4ForCausalLM(cfg)
     sd = hf_model.state_dict()
     model.load_weights((k, v) for k, v in sd.items())
@@ -105,3 +111,48 @@ def feed(model: DeepseekV4ForCausalLM, cfg: DeepseekV4ModelConfig, state: SeqSta
         commit(state, plan, scratch[0], list(range(len(piece))))
         out.append(logits)
     return torch.cat(out)
+
+
+def random_tree(gen: torch.Generator, num_nodes: int, max_children: int = 3) -> list[int]:
+    """Parents of a random tree rooted at node 0 (parent -1); each node has at most ``max_children``."""
+    parents, children = [-1], [0]
+    for i in range(1, num_nodes):
+        open_nodes = [j for j in range(i) if children[j] < max_children]
+        p = open_nodes[int(torch.randint(len(open_nodes), (1,), generator=gen))]
+        parents.append(p)
+        children[p] += 1
+        children.append(0)
+    return parents
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def state_diffs(a: SeqState, b: SeqState) -> dict[str, float]:
+    """Largest absolute difference per named state tensor (inf where shapes or counts differ)."""
+    out: dict[str, float] = {"position": 0.0 if a.position == b.position else float("inf")}
+
+    def diff(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        out[name] = float((x.float() - y.float()).abs().max()) if x.shape == y.shape and x.numel() else \
+            (0.0 if x.shape == y.shape else float("inf"))
+
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
+        diff(f"layer{i}.ring", la.ring, lb.ring)
+        for part in ("comp", "index"):
+            ca, cb = getattr(la, part), getattr(lb, part)
+            if ca is None:
+                continue
+            diff(f"layer{i}.{part}.acc_kv", ca.acc_kv, cb.acc_kv)
+            diff(f"layer{i}.{part}.acc_gate", ca.acc_gate, cb.acc_gate)
+            diff(f"layer{i}.{part}.summaries", ca.summaries.rows(), cb.summaries.rows())
+    return out
+
+
+def assert_states_close(a: SeqState, b: SeqState, atol: float = 1e-6) -> None:
+    bad = {k: v for k, v in state_diffs(a, b).items() if not v <= atol}
+    assert not bad, f"committed state differs from serial decoding: {bad}"

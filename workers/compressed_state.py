@@ -116,7 +116,8 @@ class SeqState:
 
         def compressor(ratio: int, dim: int, overlap: bool) -> CompressorState:
             rows, cols = (2 * ratio, 2 * dim) if overlap else (ratio, dim)
-            z = torch.zeros(rows, cols, dtype=torch.float32, device=device)
+            # fp32 accumulators (float64 in float64 reference runs)
+            z = torch.zeros(rows, cols, dtype=torch.promote_types(config.dtype, torch.float32), device=device)
             return CompressorState(z, z.clone(), PagedRows(dim, config.dtype, device))
 
         layers = []

@@ -81,6 +81,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     spares each worker importing transformers; its dtype is ignored in favour of ``dtype``/the checkpoint's.
     """
     path = os.fspath(path)
+    if config is None and is_deepseek_v4(path):
+        from workers.models.deepseek_v4 import load_deepseek_v4  # own config: no Llama-shaped fields
+
+        return load_deepseek_v4(path, dtype or checkpoint_dtype(path), device, tp)  # type: ignore[return-value]
     if config is None:
         config = ModelConfig.from_pretrained(path)  # clear errors for a missing dir / config.json
     config = replace(config, dtype=dtype or checkpoint_dtype(path))
@@ -89,6 +93,15 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
         model = cls(config, tp or TPGroup.single())
     model.load_weights(iter_weights(path))
     return model.eval()
+
+
+def is_deepseek_v4(path: str) -> bool:
+    """Whether config.json declares DeepSeek-V4 (compressed attention: its own config and state)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "deepseek_v4"
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:

@@ -15,7 +15,10 @@ attention layers fill with the nodes' scratch rows); see ``workers.compressed_st
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +33,13 @@ from workers.models.deepseek_v4_attention import (
     RMSNorm,
     SeqSlice,
     rope_cos_sin,
+    wide,
 )
 from workers.models.deepseek_v4_config import DeepseekV4ModelConfig
 
 
 def _unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(wide(x.dtype)).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def _param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
@@ -56,8 +60,9 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, H] -> post [T, hc], comb [T, hc, hc] (fp32), collapsed block input [T, H]."""
         n = self.n
-        flat = _unweighted_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())  # [T, (2 + hc) * hc]
+        w = wide(streams.dtype)
+        flat = _unweighted_norm(streams.flatten(1).to(w), self.norm_eps)
+        mixes = F.linear(flat, self.fn.to(w))  # [T, (2 + hc) * hc]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -91,8 +96,9 @@ class HyperHead(nn.Module):
         self.hc_scale = _param(1)
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = _unweighted_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        w = wide(streams.dtype)
+        flat = _unweighted_norm(streams.flatten(1).to(w), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.to(w)) * self.hc_scale.to(w) + self.hc_base.to(w))
         return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # [T, H]
 
 
@@ -249,25 +255,90 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.compute_logits(hidden), [s.scratch for s in seqs]
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
-        """Copy (HF name, tensor or slice) pairs; every parameter and routing table must be covered."""
+        """Copy (name, tensor or slice) pairs, in transformers' names or the checkpoint's own (DeepSeek's,
+        with one tensor per expert); every parameter and routing table must be covered."""
         targets = dict(self.named_parameters())
         targets.update(dict(self.named_buffers()))
         loaded: set[str] = set()
-        for name, src in weights:
+        inter = self.config.moe_intermediate_size
+        for raw, src in weights:
+            name, expert, part = canonical_weight_name(raw)
             if name.startswith("mtp.") or ".mtp." in name:
                 continue  # the multi-token-prediction head is not used
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if name not in targets:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in DeepseekV4ForCausalLM")
+                raise KeyError(f"checkpoint tensor {raw!r} has no matching parameter in DeepseekV4ForCausalLM")
+            dst = targets[name]
+            if expert is not None:  # one expert's w1 / w3 (halves of gate_up_proj) or w2 (down_proj)
+                dst = dst[expert]
+                if part is not None:
+                    dst = dst[part * inter:(part + 1) * inter]
             tensor = read_full(src)
-            if tuple(tensor.shape) != tuple(targets[name].shape):
-                raise ValueError(f"shape mismatch loading {name}: expected {tuple(targets[name].shape)}, "
-                                 f"got {tuple(tensor.shape)}")
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"shape mismatch loading {raw}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
             with torch.no_grad():
-                targets[name].copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
+                dst.copy_(tensor)
+            loaded.add(name if expert is None else f"{name}:{expert}:{part}")
+        expected = set()
+        for name in targets:
+            if name.endswith("experts.gate_up_proj") and f"{name}" not in loaded:
+                expected.update(f"{name}:{e}:{h}" for e in range(self.config.num_experts) for h in (0, 1))
+            elif name.endswith("experts.down_proj") and name not in loaded:
+                expected.update(f"{name}:{e}:None" for e in range(self.config.num_experts))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights for: {shown}")
+
+
+# DeepSeek's checkpoint names -> ours (= transformers'), applied in order; each is a no-op on our names.
+_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"), (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)]
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def canonical_weight_name(name: str) -> tuple[str, int | None, int | None]:
+    """(our parameter name, expert index or None, half of gate_up_proj: 0 gate / 1 up / None)."""
+    name = name.removeprefix("model.")
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    expert = None
+    part: int | None = None
+    m = _EXPERT.match(name)
+    if m:
+        base, expert, w = m.group(1), int(m.group(2)), m.group(3)
+        name, part = (f"{base}.down_proj", None) if w == "w2" else (f"{base}.gate_up_proj", 0 if w == "w1" else 1)
+    return (name if name.startswith("lm_head.") else f"model.{name}"), expert, part
+
+def load_deepseek_v4(path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                     tp: TPGroup | None = None) -> DeepseekV4ForCausalLM:
+    """A V4 checkpoint directory (config.json + safetensors, transformers' names) -> our model."""
+    from transformers import AutoConfig
+
+    from workers.loader import iter_weights
+
+    path = os.fspath(path)
+    cfg = DeepseekV4ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    if dtype is not None:
+        cfg = replace(cfg, dtype=dtype)
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(cfg, tp)
+    model.load_weights(iter_weights(path))
+    return model.eval()

@@ -28,6 +28,12 @@ from workers.compressed_state import CompressorScratch, CompressorState, LayerSc
 from workers.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4ModelConfig, RopeTable
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The precision of V4's "fp32" parts (norms, mixes, accumulators, indexer scores): fp32, or the model's
+    own dtype when wider (float64 reference runs, where every path must agree to ~1e-12)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class Linear(nn.Module):
     """y = x W^T with an uninitialised weight (always overwritten by a checkpoint)."""
 
@@ -48,13 +54,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
+        h = x.to(wide(x.dtype))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(x.to(wide(x.dtype)).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def rope_cos_sin(table: RopeTable, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +78,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rd = cos.shape[-1]
     nope, rope = x[..., :-rd], x[..., -rd:]
     pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (x0, x1) -> (-x1, x0)
-    rotated = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
+    w = wide(x.dtype)
+    rotated = (rope.to(w) * cos + pairs.to(w) * sin).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
 
 
@@ -89,8 +96,9 @@ class Compressor(nn.Module):
         self.kv_norm = RMSNorm(dim, eps)
 
     def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, H] -> kv, gate [T, C] fp32: the rows the accumulators keep."""
-        return self.kv_proj(hidden).float(), self.gate_proj(hidden).float()
+        """[T, H] -> kv, gate [T, C] fp32 (``wide``): the rows the accumulators keep."""
+        w = wide(hidden.dtype)
+        return self.kv_proj(hidden).to(w), self.gate_proj(hidden).to(w)
 
     def summarize(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, wp: WindowPlan,
                   rope: RopeTable, dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +106,8 @@ class Compressor(nn.Module):
         if wp.nodes.numel() == 0:
             return torch.zeros(0, self.dim, dtype=dtype, device=kv.device)
         cols = kv.shape[1]
-        pad_kv = torch.zeros(1, cols, dtype=torch.float32, device=kv.device)
-        pad_gate = torch.full((1, cols), float("-inf"), dtype=torch.float32, device=kv.device)
+        pad_kv = torch.zeros(1, cols, dtype=kv.dtype, device=kv.device)
+        pad_gate = torch.full((1, cols), float("-inf"), dtype=kv.dtype, device=kv.device)
         src_kv = torch.cat([state.acc_kv, kv, pad_kv])  # [A + N + 1, C]
         src_gate = torch.cat([state.acc_gate, gate, pad_gate])
         g_kv, g_gate = src_kv[wp.gather], src_gate[wp.gather]  # [S, L, C]
@@ -111,7 +119,7 @@ class Compressor(nn.Module):
                                 g_gate[:, m:, d:] + self.position_bias[:, d:]], dim=1)
         else:
             w_kv, w_gate = g_kv, g_gate + self.position_bias  # [S, m, D]
-        pooled = (w_kv.to(dtype) * w_gate.softmax(dim=1, dtype=torch.float32).to(dtype)).sum(dim=1)  # [S, D]
+        pooled = (w_kv.to(dtype) * w_gate.softmax(dim=1, dtype=wide(dtype)).to(dtype)).sum(dim=1)  # [S, D]
         pooled = self.kv_norm(pooled)
         cos, sin = rope_cos_sin(rope, wp.index * m, pooled.dtype)  # RoPE at each window's first position
         return apply_rope(pooled, cos, sin)
@@ -197,8 +205,9 @@ class DeepseekV4Attention(nn.Module):
             indexer: Indexer = self.compressor.indexer  # type: ignore[union-attr, assignment]
             idx = indexer.project(hidden)
             iq = indexer.q_b_proj(q_res).view(t, indexer.heads, indexer.dim)
-            iq = apply_rope(iq, cos, sin).float()  # [T, Hi, Di] (compress table, as the layer's)
-            iw = indexer.scorer.weights_proj(hidden).float() * indexer.heads ** -0.5  # [T, Hi]
+            wd = wide(hidden.dtype)
+            iq = apply_rope(iq, cos, sin).to(wd)  # [T, Hi, Di] (compress table, as the layer's)
+            iw = indexer.scorer.weights_proj(hidden).to(wd) * indexer.heads ** -0.5  # [T, Hi]
         out = torch.empty_like(q)
         for s in seqs:
             a, b = s.start, s.stop
@@ -215,7 +224,7 @@ class DeepseekV4Attention(nn.Module):
                     new_i = indexer.summarize(st.index, idx[0][a:b], idx[1][a:b], wp, self.rope,
                                                          hidden.dtype)
                     scratch.index = CompressorScratch(idx[0][a:b], idx[1][a:b], new_i)
-                    keys_i = torch.cat([st.index.summaries.rows(), new_i]).float()  # [n_c + S, Di]
+                    keys_i = torch.cat([st.index.summaries.rows(), new_i]).to(wd)  # [n_c + S, Di]
                     scores = F.relu(torch.matmul(iq[a:b], keys_i.T)) * indexer.dim ** -0.5  # [N, Hi, n_c + S]
                     scores = (scores * iw[a:b].unsqueeze(-1)).sum(dim=1)  # [N, n_c + S]
                     comp_visible = stable_topk_mask(scores, comp_visible, indexer.topk)
