@@ -15,17 +15,17 @@ import numpy as np
 import torch
 
 from workers import messages
-from workers.verification import CandidateTree
+from workers.law_channel import TreeLaws
 
 _EXT_DATACLASS = 1
 _EXT_TENSOR = 2
 
 _CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (messages.SamplingSpec, messages.PrefillSeq, messages.CommitSpec, messages.DraftSeq,
-                messages.DraftStep, messages.GuessSpec, messages.DraftResult,
-                messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.RoundResult,
-                messages.TargetStepOutput, messages.WorkerReply, CandidateTree)
+    for cls in (messages.SamplingSpec, messages.PrefillSeq, messages.DraftCommit, messages.DraftSeq,
+                messages.DraftStep, messages.GuessSpec, messages.DraftTree, messages.DraftResult,
+                messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.VerifyResult,
+                messages.TargetStepOutput, messages.WorkerReply, TreeLaws)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()

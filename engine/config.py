@@ -41,7 +41,7 @@ class SpeculativeConfig:
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
-    - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipeline.py);
+    - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
     """

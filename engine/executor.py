@@ -35,6 +35,9 @@ class LocalExecutor:
 
         self.target = TargetWorker(target)
         self.draft = DraftWorker(draft) if draft is not None else None
+        if self.draft is not None:
+            # The draft's laws go straight to the verifier: the controller never holds them.
+            self.draft.law_sink = self.target.law_store.put
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft") if draft is not None else None
         self._draft_future: Future | None = None
         self._target_msg: TargetStep | None = None

@@ -1,8 +1,10 @@
 """The controller loop: schedule -> draft -> verify -> commit -> emit, with continuous batching.
 
-Requests join between steps and leave when they finish; the scheduler decides who runs and reserves their KV.
-The draft and target workers are called through typed messages, so the Ray executor can move them into
-actors without touching this loop.
+Requests join between steps and leave when they finish; the scheduler decides who runs, how deep each tree
+goes, reserves their KV and owns the cache counters. A drafter (engine/drafter.py: none, sequential or
+pipelined) proposes the trees; the target verifies them and commits its own KV. The draft and target workers
+are called through typed messages, so the Ray executor can move them into actors without touching this loop;
+the controller handles ints only (the draft's laws go to the verifier directly).
 """
 
 from __future__ import annotations
@@ -15,18 +17,19 @@ from dataclasses import dataclass
 
 from engine.compat import check_draft_compatible
 from engine.config import EngineConfig
+from engine.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.executor import make_executor
 from engine.metrics import SpecDecodingStats, StepTimes
-from engine.pipeline import Pipeliner, sampling_spec
+from engine.pipelined_drafter import PipelinedDrafter
 from engine.stopping import StopChecker
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
+from scheduler.spec_policy import SpecPolicy
 from workers.loader import load_tokenizer
-from workers.messages import CommitSpec, DraftSeq, DraftStep, PrefillSeq, TargetStep, VerifySeq
+from workers.messages import DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
 from workers.model_config import ModelConfig
-from workers.verification import CandidateTree
 from workers.worker_config import WorkerConfig
 
 _MAX_AUTO_KV_TOKENS = 1 << 17
@@ -85,17 +88,25 @@ class LLMEngine:
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
+        policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len) if self.tree is not None else None
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
-                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0)
+                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
+                                   policy=policy)
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
-        self.pipeline = (Pipeliner(self, spec.pipeline_width)
-                         if spec is not None and spec.pipeline else None)
+        self.drafter: Drafter = NoDrafter()
+        self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
+        if spec is not None:
+            calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
+            if spec.pipeline:
+                self.drafter = self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats,
+                                                                spec.pipeline_width)
+            else:
+                self.drafter = SequentialDrafter(calls, self.tree.branching)
         self._seq_ids = itertools.count()
         self._stop: dict[int, StopChecker] = {}
-        self._draft_commits: dict[int, CommitSpec] = {}
-        self._finished_ids: list[int] = []
+        self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
@@ -154,66 +165,27 @@ class LLMEngine:
             raise
 
     def _step(self) -> list[RequestOutput]:
-        times = self.times
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        for req in batch.preempted:
-            self._forget_draft_state(req.seq_id)
+        clock = self.times.clock()
+        batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
-        pipe = self.pipeline
-        t1 = time.perf_counter()
-        trees = pipe.trees_for(batch, finished_ids) if pipe else self._draft(batch, finished_ids)
-        t2 = time.perf_counter()
-        self.executor.submit_target(self._target_step(batch, trees, finished_ids))
-        if pipe:
-            pipe.predraft(batch, trees)  # the draft works on round r+1 while the target verifies round r
+        clock.lap("schedule_s")
+        trees = self.drafter.propose(batch, finished_ids + [r.seq_id for r in batch.preempted])  # draft
+        clock.lap("draft_wall_s")
+        self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
+        self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
         out = self.executor.wait_target()
-        t3 = time.perf_counter()
-        if pipe:
-            pipe.target_done(out.elapsed_s)
-        finished = self._commit_prefills(batch, out.first_tokens)
-        finished += self._commit_rounds(batch, trees, out.results)
-        t4 = time.perf_counter()
-        if pipe:
-            pipe.collect(batch)
-        t5 = time.perf_counter()
-        times.record(schedule_s=t1 - t0, draft_wall_s=t2 - t1, verify_wall_s=t3 - t2, verify_s=out.elapsed_s,
-                     commit_s=t4 - t3, collect_s=t5 - t4)
+        clock.lap("verify_wall_s", verify_s=out.elapsed_s)
+        num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side ...
+        clock.lap("collect_s")
+        drafted = [t.num_nodes for t in trees]
+        self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
+        for n, res in zip(drafted, out.results, strict=True):
+            self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
+        finished = self._emit_step(batch, out)  # emit
+        clock.lap("commit_s")
         return [self._output(r) for r in finished]
 
-    def _forget_draft_state(self, seq_id: int) -> None:
-        self._draft_commits.pop(seq_id, None)
-        if self.pipeline is not None:
-            self.pipeline.forget(seq_id)
-
-    def _depth(self, req: Request) -> int:
-        """Tree depth this round: no deeper than the tokens the request may still emit, or its context."""
-        if self.tree is None:
-            return 0
-        room = min(req.remaining_tokens, self.max_model_len - req.num_tokens)
-        # Candidates sit at positions num_tokens .. num_tokens + depth - 1: all inside the draft's context.
-        return max(0, min(self.tree.depth, room - 1, self.draft_max_len - req.num_tokens))
-
-    def _draft(self, batch: ScheduledBatch, finished_ids: list[int]) -> list[CandidateTree]:
-        vocab = self.vocab_size
-        if not self.has_draft:
-            return [CandidateTree.empty(vocab) for _ in batch.rounds]
-        commits = [self._draft_commits.pop(r.seq_id) for r in batch.rounds if r.seq_id in self._draft_commits]
-        msg = DraftStep(commits=commits, finished=finished_ids, prefills=[
-            PrefillSeq(c.req.seq_id, self._draft_table(c.req), c.start, c.req.all_token_ids[c.start:c.end])
-            for c in batch.prefills])
-        drafted = [r for r in batch.rounds if self._depth(r) > 0]
-        for r in drafted:
-            msg.seqs.append(DraftSeq(r.seq_id, self._draft_table(r), r.num_cached_draft,
-                                     r.all_token_ids[r.num_cached_draft:], sampling_spec(r),
-                                     list(self.tree.branching[: self._depth(r)])))
-        self.executor.submit_draft(msg)
-        out = self.executor.wait_draft()
-        self.times.draft_s += out.elapsed_s
-        trees = {res.seq_id: res.trees[0] for res in out.results}
-        return [trees.get(r.seq_id) or CandidateTree.empty(vocab) for r in batch.rounds]
-
-    def _target_step(self, batch: ScheduledBatch, trees: list[CandidateTree], finished_ids: list[int]) -> TargetStep:
+    def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables
         msg = TargetStep(finished=finished_ids)
         for c in batch.prefills:
@@ -222,43 +194,20 @@ class LLMEngine:
                                            c.req.all_token_ids[c.start:c.end], sampling_spec(c.req) if fresh else None))
         for r, t in zip(batch.rounds, trees, strict=True):
             msg.seqs.append(VerifySeq(r.seq_id, tables[r.seq_id], r.num_cached_target,
-                                      r.all_token_ids[r.num_cached_target:], t.tokens.tolist(), t.parents.tolist(),
-                                      sampling_spec(r), None if r.params.greedy else t.draft_probs))
+                                      r.all_token_ids[r.num_cached_target:], t.tokens, t.parents, sampling_spec(r),
+                                      -1 if r.params.greedy else t.tree_id))
         return msg
 
-    def _commit_prefills(self, batch: ScheduledBatch, first_tokens: dict[int, int]) -> list[Request]:
+    def _emit_step(self, batch: ScheduledBatch, out: TargetStepOutput) -> list[Request]:
+        """Every token the step produced, through ``_emit``; returns the requests that finished."""
         finished = []
         for c in batch.prefills:
-            c.req.num_cached_target = c.end
-            if self.has_draft:
-                c.req.num_cached_draft = c.end
-            tok = first_tokens.get(c.req.seq_id)
+            tok = out.first_tokens.get(c.req.seq_id)
             if tok is not None and self._emit(c.req, [tok]):
                 finished.append(c.req)
-        return finished
-
-    def _commit_rounds(self, batch: ScheduledBatch, trees: list[CandidateTree], results) -> list[Request]:
-        finished = []
-        for req, tree, res in zip(batch.rounds, trees, results, strict=True):
-            accepted = res.accepted_nodes
-            # Committed now: the in-flight tokens and the accepted path (emitted below, so not yet in num_tokens).
-            req.num_cached_target = req.num_tokens + len(accepted)
-            if self.has_draft and len(tree.tokens) and self.pipeline is None:
-                depth = self._depth(req)
-                u = req.num_tokens - req.num_cached_draft
-                # The deepest level was never forwarded through the draft: it has no draft KV to keep.
-                kept = accepted[: depth - 1]
-                path = list(range(u)) + [u + j for j in kept]
-                self._draft_commits[req.seq_id] = CommitSpec(self._draft_table(req), req.num_cached_draft, path)
-                req.num_cached_draft += u + len(kept)
-            n_drafted = len(tree.tokens)
-            req.stats.record_round(n_drafted, len(accepted), len(res.tokens))
-            self.stats.record_round(n_drafted, len(accepted), len(res.tokens), drafted=n_drafted > 0)
-            done = self._emit(req, res.tokens)
-            if done:
+        for req, res in zip(batch.rounds, out.results, strict=True):
+            if self._emit(req, res.tokens):
                 finished.append(req)
-            else:
-                self.scheduler.after_commit(req)
         return finished
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
@@ -276,16 +225,12 @@ class LLMEngine:
         if reason is None:
             return False
         self.scheduler.finish(req, reason)
-        self._forget_draft_state(req.seq_id)
         self._finished_ids.append(req.seq_id)
         return True
 
     def _take_finished(self) -> list[int]:
         ids, self._finished_ids = self._finished_ids, []
         return ids
-
-    def _draft_table(self, req: Request) -> list[int]:
-        return self.scheduler.draft_blocks.tables[req.seq_id]
 
     def _output(self, req: Request) -> RequestOutput:
         text = None

@@ -2,47 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
-from scheduler.request import count_accepted_positions
+from scheduler.request import RoundStats
 
 
 @dataclass
-class SpecDecodingStats:
-    num_rounds: int = 0  # verify passes that carried candidates
-    num_plain_rounds: int = 0  # decode rounds with no candidates (no speculation, or nothing left to draft)
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_emitted: int = 0  # tokens produced by speculative rounds (accepted + recovered/bonus)
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record_round(self, drafted_tokens: int, accepted: int, emitted: int, drafted: bool = True) -> None:
-        if not drafted:
-            self.num_plain_rounds += 1
-            return
-        self.num_rounds += 1
-        self.num_drafted += drafted_tokens
-        self.num_accepted += accepted
-        self.num_emitted += emitted
-        count_accepted_positions(self.accepted_per_position, accepted)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [a / self.num_rounds for a in self.accepted_per_position] if self.num_rounds else []
-
-    def as_dict(self) -> dict:
-        return {
-            "rounds": self.num_rounds,
-            "plain_decode_rounds": self.num_plain_rounds,
-            "drafted_tokens": self.num_drafted,
-            "accepted_tokens": self.num_accepted,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
-        }
+class SpecDecodingStats(RoundStats):
+    """Aggregate over every request: the same round definition and fields as a request's own statistics."""
 
 
 @dataclass
@@ -60,13 +28,27 @@ class StepTimes:
     draft_s: float = 0.0  # draft worker time of those calls
     verify_wall_s: float = 0.0
     verify_s: float = 0.0  # target worker time
-    commit_s: float = 0.0  # controller: counters, stop checks, block trims
-    collect_s: float = 0.0  # pipelining: waiting for the pre-draft after verification, and matching
+    commit_s: float = 0.0  # controller: counters, stop checks, block trims, emitting
+    collect_s: float = 0.0  # the drafter's commit (pipelining: waiting for the pre-draft, and matching)
 
-    def record(self, **parts: float) -> None:
+    def clock(self) -> StepClock:
+        """Times one step: each ``lap`` adds the time since the previous one to a field."""
         self.steps += 1
-        for k, v in parts.items():
-            setattr(self, k, getattr(self, k) + v)
+        return StepClock(self, time.perf_counter())
+
+
+@dataclass
+class StepClock:
+    times: StepTimes
+    last: float
+
+    def lap(self, name: str, **worker_s: float) -> None:
+        now = time.perf_counter()
+        t = self.times
+        setattr(t, name, getattr(t, name) + now - self.last)
+        for k, v in worker_s.items():  # the workers' own time of the part just timed
+            setattr(t, k, getattr(t, k) + v)
+        self.last = now
 
     @property
     def messaging_s(self) -> float:

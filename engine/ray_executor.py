@@ -1,7 +1,9 @@
 """Workers in Ray actors: the draft on its own bundle(s), the target's tensor-parallel ranks packed on one node.
 
 Ray does placement, lifecycle and health; the per-round messages go over zmq as msgpack frames (or, with
-``transport="ray"``, as plain actor calls — kept for comparison: see engine/benchmarks/transport.py).
+``transport="ray"``, as plain actor calls — kept for comparison: see engine/benchmarks/transport.py). The
+draft's laws take a third path, draft rank 0 straight to target rank 0 (``_connect_laws``): the controller
+sends and receives ints only.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class RayExecutor:
             for (role, (config, _, _)), pg in zip(roles.items(), groups, strict=True):
                 self._create_actors(role, config, pg, plan)
             self._setup_actors(plan)
+            if draft is not None:
+                self._connect_laws()
             if parallel.transport == "zmq":
                 self._start_zmq()
         except BaseException:
@@ -118,6 +122,13 @@ class RayExecutor:
                 ray.get(refs)
             except ray.exceptions.RayError as e:
                 raise RuntimeError(f"starting the {role} workers failed: {e}") from e
+
+    def _connect_laws(self) -> None:
+        """The draft's laws go from draft rank 0 to target rank 0 (the verifier) on their own socket."""
+        import ray
+
+        address = ray.get(self._actors["target"][0].serve_laws.remote())
+        ray.get(self._actors["draft"][0].connect_laws.remote(address))
 
     def _start_zmq(self) -> None:
         import ray

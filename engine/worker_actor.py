@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine import codec
-from workers.messages import RoundResult, TargetStep, TargetStepOutput, WorkerReply
+from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
 
 OP_STEP = b"step"
@@ -140,6 +140,42 @@ class WorkerProcess:
         self._thread.start()
         return f"tcp://{node_ip()}:{port}"
 
+    def serve_laws(self) -> str:
+        """Target rank 0: receive the draft's laws (workers/law_channel.py) on a PULL socket of its own, into the
+        verifier's LawStore; returns the address draft rank 0 pushes to. The controller never sees them."""
+        import zmq
+
+        pull = zmq.Context.instance().socket(zmq.PULL)
+        port = pull.bind_to_random_port(f"tcp://{node_ip()}")
+        store = self.worker.law_store
+
+        def loop() -> None:
+            try:
+                while not self._stop.is_set():
+                    if pull.poll(timeout=1000):
+                        store.put(codec.decode(pull.recv()))
+            except Exception:
+                store.fail(f"the law receiver of target rank {self.rank} failed: {traceback.format_exc()}")
+            finally:
+                pull.close(linger=0)
+
+        threading.Thread(target=loop, name="target-laws", daemon=True).start()
+        return f"tcp://{node_ip()}:{port}"
+
+    def connect_laws(self, address: str) -> None:
+        """Draft rank 0: push the laws of every drafted tree to the verifier at ``address``."""
+        import zmq
+
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(address)
+        lock = threading.Lock()  # Ray calls and the zmq loop may both run steps: one sender at a time
+
+        def send(laws) -> None:
+            with lock:
+                push.send(codec.encode(laws), copy=False)
+
+        self.worker.law_sink = send
+
     def shutdown(self) -> None:
         self._stop.set()
         import torch.distributed as dist
@@ -170,6 +206,7 @@ _BUNDLE_RESOURCE = re.compile(r"^bundle_group_(\d+)_[0-9a-f]+$")
 def _echo_result(msg: Any) -> Any:
     """A reply shaped like a real one, so the benchmark pays the same encoding costs."""
     if isinstance(msg, TargetStep):
-        return TargetStepOutput(first_tokens={}, results=[RoundResult(list(range(len(s.tree_tokens))),
-                                                                      s.tree_tokens + [0]) for s in msg.seqs])
+        return TargetStepOutput(first_tokens={}, results=[
+            VerifyResult(list(range(len(s.tree_tokens))), s.tree_tokens + [0], len(s.tree_tokens), True)
+            for s in msg.seqs])
     return None

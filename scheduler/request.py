@@ -33,39 +33,76 @@ def count_accepted_positions(counts: list[int], accepted: int) -> None:
 
 
 @dataclass
-class RequestStats:
-    rounds: int = 0  # speculative rounds (verify passes) this request took part in
-    drafted: int = 0  # candidate tokens proposed (tree nodes)
-    accepted: int = 0  # candidate tokens accepted
-    emitted: int = 0  # tokens emitted by rounds (accepted + recovered/bonus), before stop truncation
-    accepted_per_position: list[int] = field(default_factory=list)  # [depth] -> rounds that accepted depth
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    finish_time: float | None = None
+class RoundStats:
+    """Counts over verified rounds, the one definition shared by per-request and aggregate statistics.
 
-    def record_round(self, drafted: int, accepted: int, emitted: int) -> None:
-        self.rounds += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.emitted += emitted
+    A *round* is one verification of a request that carried candidates. A decode step without candidates
+    (no speculation, or nothing left to draft) is a *plain round*, counted apart, so that the mean acceptance
+    length (vLLM's convention: tokens per round, the recovered/bonus token included) is over speculative rounds.
+    """
+
+    num_rounds: int = 0
+    num_plain_rounds: int = 0
+    num_drafted: int = 0  # candidate tokens verified (tree nodes)
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens produced by rounds (accepted + recovered/bonus), before stop truncation
+    num_bonus: int = 0  # rounds that ended with a bonus token (every candidate on a path accepted); the rest
+    #                     ended with a recovered token
+    accepted_per_position: list[int] = field(default_factory=list)  # [depth] -> rounds that accepted depth
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool) -> None:
+        if drafted == 0:
+            self.num_plain_rounds += 1
+            return
+        self.num_rounds += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_emitted += emitted
+        self.num_bonus += bool(bonus)
         count_accepted_positions(self.accepted_per_position, accepted)
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verify round, bonus/recovered token included (vLLM's convention)."""
-        return self.emitted / self.rounds if self.rounds else 0.0
+        """Tokens emitted per speculative round, bonus/recovered token included (vLLM's convention)."""
+        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """vLLM's draft acceptance rate: accepted / drafted. For a chain, the chance a candidate is accepted;
+        for a tree most nodes are siblings that cannot all be accepted: read accepted per round there."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / self.num_rounds for a in self.accepted_per_position] if self.num_rounds else []
+
+    def as_dict(self) -> dict:
+        r = self.num_rounds
+        return {
+            "rounds": r,
+            "plain_decode_rounds": self.num_plain_rounds,
+            "drafted_tokens": self.num_drafted,
+            "accepted_tokens": self.num_accepted,
+            "bonus_tokens": self.num_bonus,
+            "recovered_tokens": r - self.num_bonus,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            # Trees: accepted tokens per round beside the nodes verified per round (the node budget).
+            "accepted_per_round": round(self.num_accepted / r, 4) if r else 0.0,
+            "nodes_per_round": round(self.num_drafted / r, 4) if r else 0.0,
+            "acceptance_per_position": [round(a, 4) for a in self.acceptance_per_position],
+        }
+
+
+@dataclass
+class RequestStats(RoundStats):
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
 
     def as_dict(self) -> dict:
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        return {
-            "rounds": self.rounds,
-            "drafted_tokens": self.drafted,
-            "accepted_tokens": self.accepted,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "acceptance_per_position": [round(a / self.rounds, 4) for a in self.accepted_per_position]
-            if self.rounds else [],
-            "ttft_s": None if ttft is None else round(ttft, 6),
-        }
+        return {**super().as_dict(), "ttft_s": None if ttft is None else round(ttft, 6)}
 
 
 @dataclass(eq=False)  # identity: `req in running` must not compare every field of every request

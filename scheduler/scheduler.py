@@ -1,20 +1,35 @@
 """Batch formation: which requests run this step, what each feeds, and KV admission (stdlib only).
 
 Each step:
-1. Running requests that finished prefill get a speculative round. Their KV (target and draft) must cover the
-   committed tokens, the in-flight tokens and this round's scratch tree; when the pool is short, the most
-   recently arrived running request is preempted (blocks freed, recomputed later) until the rest fit.
+1. Running requests that finished prefill get a speculative round, its tree depth set by the speculation policy
+   (scheduler/spec_policy.py). Their KV (target and draft) must cover the committed tokens, the in-flight tokens
+   and exactly the tree nodes the target will verify; when the pool is short, the most recently arrived running
+   request is preempted (blocks freed, recomputed later) until the rest fit.
 2. Remaining token budget goes to prefill chunks: requests still prefilling first, then new arrivals, oldest
    first, as long as their blocks fit.
+
+After the workers ran the batch, ``update_from_output`` applies its results: the scheduler is the only place
+that moves a request's cache counters (``num_cached_target`` / ``num_cached_draft``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.spec_policy import SpecPolicy
+
+
+class RoundResult(Protocol):
+    """What the scheduler reads of a verified round (workers/messages.py ``VerifyResult``)."""
+
+    accepted_nodes: list[int]
+    tokens: list[int]
+    bonus: bool
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,7 @@ class PrefillChunk:
 class ScheduledBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     rounds: list[Request] = field(default_factory=list)  # speculative (or plain decode) rounds
+    depths: list[int] = field(default_factory=list)  # tree depth of each round (0: plain decode)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -54,11 +70,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, target_blocks: BlockManager, draft_blocks: BlockManager | None,
-                 num_tree_nodes: int, draft_scratch_nodes: int | None = None) -> None:
+                 num_tree_nodes: int, draft_scratch_nodes: int | None = None, policy: SpecPolicy | None = None
+                 ) -> None:
         self.config = config
         self.target_blocks = target_blocks
         self.draft_blocks = draft_blocks
         self.num_tree_nodes = num_tree_nodes  # target scratch nodes per request per round (0: no speculation)
+        # None (tests of the block accounting): every round reserves the full tree and reports depth 0.
+        self.policy = policy
         # The draft may write more scratch than the target verifies (pipelining pre-drafts several trees).
         self.draft_scratch_nodes = num_tree_nodes if draft_scratch_nodes is None else draft_scratch_nodes
         self.waiting: deque[Request] = deque()
@@ -81,9 +100,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _round_slots(self, req: Request) -> int:
-        """Slots a speculative round writes: every token so far (committed + in flight) plus the tree."""
-        return req.num_tokens + self.num_tree_nodes
+    def depth(self, req: Request) -> int:
+        return self.policy.depth(req.num_tokens, req.remaining_tokens) if self.policy is not None else 0
+
+    def _round_nodes(self, depth: int) -> int:
+        """Target scratch nodes of a round: the nodes it will verify."""
+        return self.policy.num_nodes(depth) if self.policy is not None else self.num_tree_nodes
+
+    def _draft_nodes(self, nodes: int) -> int:
+        """Draft scratch nodes: the round's tree, or more when pipelining pre-drafts several trees."""
+        return self.draft_scratch_nodes if self.draft_scratch_nodes > self.num_tree_nodes else nodes
 
     def _fits(self, req: Request, slots: int, draft_slots: int | None = None) -> bool:
         ok = self.target_blocks.can_reserve(req.seq_id, slots)
@@ -116,8 +142,10 @@ class Scheduler:
         for req in list(decoding):
             if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
                 continue
-            slots = self._round_slots(req)
-            draft_slots = req.num_tokens + self.draft_scratch_nodes
+            depth = self.depth(req)
+            nodes = self._round_nodes(depth)
+            slots = req.num_tokens + nodes  # every token so far (committed + in flight) plus the tree
+            draft_slots = req.num_tokens + self._draft_nodes(nodes)
             while not self._fits(req, slots, draft_slots):
                 victim = max(self.running, key=lambda r: (r.stats.arrival_time, r.seq_id))
                 self._preempt(victim)
@@ -127,7 +155,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self._reserve(req, slots, draft_slots)
                 out.rounds.append(req)
-                budget -= req.num_tokens - req.num_cached_target + self.num_tree_nodes
+                out.depths.append(depth)
+                budget -= req.num_tokens - req.num_cached_target + nodes
         candidates = [r for r in self.running if r.is_prefilling]
         # No admissions in a step that had to preempt: the pool is short, and a victim re-admitted at once would
         # be recomputed now only to be preempted again by the next round (thrashing).
@@ -182,11 +211,22 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
 
-    def after_commit(self, req: Request) -> None:
-        """Give back the target's scratch blocks past what it has committed.
+    def update_from_output(self, batch: ScheduledBatch, results: Sequence[RoundResult], num_drafted: Sequence[int],
+                           num_cached_draft: Mapping[int, int]) -> None:
+        """Apply one step's results, before its tokens are emitted (results: one per round, in order).
 
-        The draft's scratch blocks stay: the draft applies the accepted path's commit at the start of its next
-        step, reading the nodes from their scratch slots. Trimmed here, those blocks could be handed to another
-        request before then and the commit would copy that request's KV. The next round reserves them anyway.
+        Prefill chunks become committed. A round commits its in-flight tokens and its accepted path on the
+        target; the draft's committed length is what the drafter reports (it follows the draft's own scratch).
+        The target's scratch blocks past the committed tokens are given back; the draft's stay: the draft
+        applies its commit at the start of its next step, reading the nodes from their scratch slots, and
+        trimmed blocks could be handed to another request before then.
         """
-        self.target_blocks.trim(req.seq_id, req.num_cached_target)
+        for c in batch.prefills:
+            c.req.num_cached_target = c.end
+            if self.draft_blocks is not None:
+                c.req.num_cached_draft = c.end
+        for req, res, drafted in zip(batch.rounds, results, num_drafted, strict=True):
+            req.num_cached_target = req.num_tokens + len(res.accepted_nodes)
+            req.num_cached_draft = num_cached_draft.get(req.seq_id, req.num_cached_draft)
+            req.stats.record_round(drafted, len(res.accepted_nodes), len(res.tokens), res.bonus)
+            self.target_blocks.trim(req.seq_id, req.num_cached_target)

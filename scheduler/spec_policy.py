@@ -1,4 +1,4 @@
-"""Speculation policy: the shape of the candidate tree drafted for each request each round (stdlib only).
+"""Speculation policy: the shape and depth of the candidate tree drafted for each request each round (stdlib only).
 
 A tree is described by its branching per depth: ``(2, 2, 1)`` means the root gets 2 children, each of those 2,
 each of those 1: depth 3, 2 + 4 + 4 = 10 nodes. A chain of K tokens is ``(1,) * K``.
@@ -40,6 +40,21 @@ class TreeShape:
     def num_nodes(self) -> int:
         return sum(self.level_sizes)
 
-    @property
-    def is_chain(self) -> bool:
-        return all(w == 1 for w in self.branching)
+
+@dataclass(frozen=True)
+class SpecPolicy:
+    """How deep each request's tree goes this round: the configured shape, cut where drafting cannot pay."""
+
+    tree: TreeShape
+    max_model_len: int  # the target's context
+    draft_max_len: int  # the draft's context: past it the draft still runs but proposes poorly (vLLM stops too)
+
+    def depth(self, num_tokens: int, remaining_tokens: int) -> int:
+        """No deeper than the tokens the request may still emit (one is the recovered/bonus token), or its
+        context; candidates sit at positions num_tokens .. num_tokens + depth - 1, inside the draft's context."""
+        room = min(remaining_tokens, self.max_model_len - num_tokens)
+        return max(0, min(self.tree.depth, room - 1, self.draft_max_len - num_tokens))
+
+    def num_nodes(self, depth: int) -> int:
+        """Nodes of the tree cut to ``depth`` levels: what the target verifies, at most."""
+        return sum(self.tree.level_sizes[:depth])

@@ -15,7 +15,7 @@ import torch
 
 from engine import codec
 from workers import messages as m
-from workers.verification import CandidateTree
+from workers.law_channel import pack_laws, unpack_laws
 
 SPEC = m.SamplingSpec(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, seed=(1 << 63) - 1)
 GREEDY = m.SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None)
@@ -27,40 +27,41 @@ def _probs(n: int, seed: int) -> torch.Tensor:
     return torch.softmax(torch.randn(n, V, generator=g), dim=-1)  # [n, V] float32
 
 
-def _tree() -> CandidateTree:
-    return CandidateTree(tokens=torch.tensor([5, 9, 11, 3]), parents=torch.tensor([-1, -1, 0, 2]),
-                         draft_probs=_probs(4, 0))
+def _tree() -> m.DraftTree:
+    return m.DraftTree(tokens=[5, 9, 11, 3], parents=[-1, -1, 0, 2], tree_id=12, kv_depth=2, likely_path=[1, 3])
 
 
 def _examples() -> dict[str, object]:
     """One realistic instance per registered message class (the test below insists there is one for each)."""
     prefill = m.PrefillSeq(seq_id=3, block_table=[0, 7, 2], base_len=16, token_ids=[1, 2, 3], sample=SPEC)
-    commit = m.CommitSpec(block_table=[4, 5], base_len=9, path=[0, 1, 3])
+    commit = m.DraftCommit(seq_id=3, num_inflight=1, nodes=[0, 2])
     guess = m.GuessSpec(at=-1, count=2, exclude=[17])
     draft_seq = m.DraftSeq(seq_id=3, block_table=[0, 7], base_len=12, token_ids=[44], sampling=SPEC,
                            branching=[2, 1, 1], pred_tokens=[8, 9], pred_parents=[-1, 0], guesses=[guess],
                            anchors=[-1, 1])
     verify = m.VerifySeq(seq_id=3, block_table=[0, 7], base_len=12, token_ids=[44], tree_tokens=[5, 9, 11, 3],
-                         tree_parents=[-1, -1, 0, 2], sampling=SPEC, draft_probs=_probs(4, 1))
-    result = m.RoundResult(accepted_nodes=[0, 2], tokens=[5, 11, 60])
+                         tree_parents=[-1, -1, 0, 2], sampling=SPEC, tree_id=12)
+    result = m.VerifyResult(accepted_nodes=[0, 2], tokens=[5, 11, 60], num_accepted=2, bonus=False)
+    probs = _probs(2, 1)
     return {
         "SamplingSpec": SPEC,
         "PrefillSeq": prefill,
-        "CommitSpec": commit,
+        "DraftCommit": commit,
+        "DraftTree": _tree(),
         "GuessSpec": guess,
         "DraftSeq": draft_seq,
         "DraftStep": m.DraftStep(commits=[commit], prefills=[dataclasses.replace(prefill, sample=None)],
                                  seqs=[draft_seq], finished=[1, 2]),
         "DraftResult": m.DraftResult(seq_id=3, pred_tokens=[8, 9, 21], pred_parents=[-1, 0, -1], anchors=[-1, 2],
-                                     trees=[_tree(), CandidateTree.empty(V)]),
+                                     trees=[_tree(), dataclasses.replace(_tree(), tree_id=-1)]),
         "DraftStepOutput": m.DraftStepOutput(results=[], elapsed_s=0.25),
         "VerifySeq": verify,
         "TargetStep": m.TargetStep(prefills=[prefill], seqs=[verify, dataclasses.replace(
-            verify, seq_id=4, sampling=GREEDY, draft_probs=None)], finished=[7]),
-        "RoundResult": result,
+            verify, seq_id=4, sampling=GREEDY, tree_id=-1)], finished=[7]),
+        "VerifyResult": result,
         "TargetStepOutput": m.TargetStepOutput(first_tokens={3: 17, 12: 0}, results=[result], elapsed_s=1e-3),
         "WorkerReply": m.WorkerReply(result=m.TargetStepOutput(first_tokens={}, results=[result])),
-        "CandidateTree": _tree(),
+        "TreeLaws": pack_laws(3, 12, [probs[0], probs[1].where(probs[1] > 0.005, 0.0)], V),
     }
 
 
@@ -124,11 +125,19 @@ def test_tensors_round_trip_bit_for_bit(dtype: torch.dtype) -> None:
 
 
 def test_float32_probabilities_arrive_unchanged() -> None:
-    # q must reach the verifier exactly as the draft sampled from it (DESIGN.md: a wrong q is a silent error).
-    q = torch.softmax(torch.randn(5, 4096, generator=torch.Generator().manual_seed(3)), dim=-1)
-    out = codec.decode(codec.encode(m.VerifySeq(0, [0], 0, [1], [2] * 5, [-1, 0, 1, 2, 3], SPEC, q)))
-    assert out.draft_probs.dtype == torch.float32
-    assert torch.equal(out.draft_probs, q)
+    # q must reach the verifier exactly as the draft sampled from it (DESIGN.md: a wrong q is a silent error):
+    # dense laws, top-k truncated laws, and i.i.d. siblings sharing one law, each bit for bit.
+    q = torch.softmax(torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)), dim=-1)
+    top = q[1].topk(50)
+    truncated = torch.zeros(4096).scatter(0, top.indices, top.values / top.values.sum())
+    shared = q[0]
+    laws = [shared, shared, truncated, q[2]]
+    msg = codec.decode(codec.encode(pack_laws(0, 5, laws, 4096)))
+    assert msg.sizes == [-1, 50, -1] and msg.node_law == [0, 0, 1, 2]  # the shared law travels once
+    out = unpack_laws(msg, 4, "cpu")
+    assert out.dtype == torch.float32
+    assert _bits(out) == _bits(torch.stack(laws))
+    assert _bits(unpack_laws(msg, 3, "cpu")) == _bits(torch.stack(laws[:3]))  # a tree pruned to a prefix
 
 
 def test_tensor_shapes_views_and_empties() -> None:
@@ -167,7 +176,7 @@ def test_unknown_type_name_is_rejected_on_decode() -> None:
 
 
 def test_wrong_field_count_is_rejected_on_decode() -> None:
-    fake = msgpack.ExtType(codec._EXT_DATACLASS, msgpack.packb(["CommitSpec", [[1], 2]], use_bin_type=True))
+    fake = msgpack.ExtType(codec._EXT_DATACLASS, msgpack.packb(["DraftCommit", [[1], 2, 3, 4]], use_bin_type=True))
     with pytest.raises((ValueError, TypeError)):
         codec.decode(msgpack.packb(fake, use_bin_type=True))
 

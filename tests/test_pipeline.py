@@ -1,4 +1,4 @@
-"""Pipelined speculation (engine/pipeline.py) leaves every output unchanged: greedy, seeded, and in law."""
+"""Pipelined speculation (engine/pipelined_drafter.py) leaves every output unchanged: greedy, seeded, and in law."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.pipeline import match_prediction, most_probable_path, prune_tree
+from engine.pipelined_drafter import match_prediction, prune
 from tests.conftest import spec
-from workers.messages import DraftResult
-from workers.verification import CandidateTree
+from workers.messages import DraftResult, DraftTree
+from workers.tree_topology import most_probable_path
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45)), [3]]
 
@@ -116,18 +116,13 @@ def test_distribution_with_pipelining(small_vocab):
 
 
 # ------------------------------------------------------------------------------------------ pure helpers
-def _tree(tokens, parents, probs=None) -> CandidateTree:
-    n = len(tokens)
-    return CandidateTree(torch.tensor(tokens), torch.tensor(parents),
-                         torch.empty(n, 0) if probs is None else probs)
+def _tree(tokens, parents, tree_id=-1) -> DraftTree:
+    return DraftTree(list(tokens), list(parents), tree_id, len(parents), most_probable_path(list(parents), None))
 
 
 def test_most_probable_path_greedy_and_sampled():
-    t = _tree([5, 6, 7, 8], [-1, -1, 0, 1])
-    assert most_probable_path(t) == [0, 2]  # greedy trees: the first child is the draft's top token
-    probs = torch.zeros(4, 10)
-    probs[0, 5], probs[1, 6], probs[2, 7], probs[3, 8] = 0.2, 0.5, 0.9, 0.9
-    assert most_probable_path(_tree([5, 6, 7, 8], [-1, -1, 0, 1], probs)) == [1, 3]
+    assert most_probable_path([-1, -1, 0, 1], None) == [0, 2]  # greedy trees: the first child is the top token
+    assert most_probable_path([-1, -1, 0, 1], [0.2, 0.5, 0.9, 0.9]) == [1, 3]
 
 
 def test_match_prediction_hit_partial_and_miss():
@@ -135,22 +130,20 @@ def test_match_prediction_hit_partial_and_miss():
     # in-flight chain [9]; predicted path 4, 5; guesses: 6 under node 1 (bonus), 7 under -1 (rejection)
     res = DraftResult(0, pred_tokens=[4, 5, 6, 7], pred_parents=[-1, 0, 1, -1], anchors=[2, 3],
                       trees=[tree_a, tree_b])
-    kept, tree = match_prediction([9], res, [9, 4, 5, 6])
-    assert kept == [0, 1, 2, 3] and tree is tree_a
-    kept, tree = match_prediction([9], res, [9, 7])
-    assert kept == [0, 4] and tree is tree_b
-    kept, tree = match_prediction([9], res, [9, 4, 8])  # recovered token nobody predicted
-    assert kept == [0, 1] and tree is None
-    kept, tree = match_prediction([9], res, [9, 4])  # ends on a prediction node that is not an anchor
-    assert kept == [0, 1] and tree is None
-    kept, tree = match_prediction([9, 3], res, [9, 2])
-    assert kept == [0] and tree is None
+    m = match_prediction([9], res, [9, 4, 5, 6])
+    assert (m.num_inflight, m.pred_nodes) == (1, [0, 1, 2]) and m.tree is tree_a
+    m = match_prediction([9], res, [9, 7])
+    assert (m.num_inflight, m.pred_nodes) == (1, [3]) and m.tree is tree_b
+    m = match_prediction([9], res, [9, 4, 8])  # recovered token nobody predicted
+    assert (m.num_inflight, m.pred_nodes) == (1, [0]) and m.tree is None
+    m = match_prediction([9], res, [9, 4])  # ends on a prediction node that is not an anchor
+    assert (m.num_inflight, m.pred_nodes) == (1, [0]) and m.tree is None
+    m = match_prediction([9, 3], res, [9, 2])
+    assert (m.num_inflight, m.pred_nodes) == (1, []) and m.tree is None
 
 
-def test_prune_tree_keeps_shallow_nodes():
-    probs = torch.rand(5, 8)
-    t = _tree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2], probs)
-    p = prune_tree(t, 2)
-    assert p.tokens.tolist() == [1, 2, 3, 4] and p.parents.tolist() == [-1, -1, 0, 1]
-    assert torch.equal(p.draft_probs, probs[:4])
-    assert prune_tree(t, 3) is t
+def test_prune_keeps_shallow_nodes_as_a_prefix():
+    t = _tree([1, 2, 3, 4, 5], [-1, -1, 0, 1, 2], tree_id=7)
+    p = prune(t, 2)
+    assert p.tokens == [1, 2, 3, 4] and p.parents == [-1, -1, 0, 1] and p.tree_id == 7  # its laws: rows 0..3
+    assert prune(t, 3) is t

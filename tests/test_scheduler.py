@@ -1,8 +1,7 @@
 """Scheduler and block accounting on hand-made requests (pure Python: no model runs).
 
-``play`` stands in for the engine: it applies a scheduled batch to the requests' counters the way the
-controller does (prefill chunks become committed; a round commits the in-flight tokens plus ``accept`` nodes
-and emits accept + 1 tokens).
+``play`` stands in for the workers: it makes up a round's results (``accept`` nodes accepted, accept + 1 tokens)
+and applies them through the scheduler's own ``update_from_output``, then emits the tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from workers.messages import VerifyResult
 
 
 def make_req(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Request:
@@ -31,27 +31,27 @@ def make_sched(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_
 
 
 def play(sched: Scheduler, batch: ScheduledBatch, accept: int = 0) -> list[Request]:
-    """Apply a batch like the engine does; returns the requests that finished."""
-    done = []
+    """Apply made-up results of a batch through the scheduler; returns the requests that finished."""
     for c in batch.prefills:
         assert c.start == c.req.num_cached_target
-        c.req.num_cached_target = c.end
-        if sched.draft_blocks is not None:
-            c.req.num_cached_draft = c.end
-        if c.completes_prefill and not c.req.output_token_ids:
-            c.req.output_token_ids.append(7)  # the first token, sampled at the end of the prompt
+    results, drafted, cached_draft = [], [], {}
     for r in batch.rounds:
         n = min(accept, r.remaining_tokens - 1, sched.num_tree_nodes)
-        r.num_cached_target = r.num_tokens + n
+        results.append(VerifyResult(list(range(n)), [7] * (n + 1), n, n == sched.num_tree_nodes))
+        drafted.append(sched.num_tree_nodes)
         if sched.draft_blocks is not None:
-            r.num_cached_draft = r.num_tokens + n
-        r.output_token_ids += [7] * (n + 1)
+            cached_draft[r.seq_id] = r.num_tokens + n
+    sched.update_from_output(batch, results, drafted, cached_draft)
+    for c in batch.prefills:
+        if c.completes_prefill and not c.req.output_token_ids:
+            c.req.output_token_ids.append(7)  # the first token, sampled at the end of the prompt
+    for r, res in zip(batch.rounds, results, strict=True):
+        r.output_token_ids += res.tokens
+    done = []
     for r in [c.req for c in batch.prefills] + batch.rounds:
         if r.output_token_ids and r.remaining_tokens <= 0 and not r.finished:
             sched.finish(r, FinishReason.LENGTH)
             done.append(r)
-        elif not r.finished:
-            sched.after_commit(r)
     return done
 
 
@@ -258,7 +258,7 @@ def test_an_older_request_preempts_the_newest_to_grow() -> None:
     assert [(c.req, c.start, c.end) for c in batch.prefills] == [(new, 0, 8)]
 
 
-def test_after_commit_trims_target_scratch_and_keeps_draft_scratch_for_its_commit() -> None:
+def test_a_round_trims_target_scratch_and_keeps_draft_scratch_for_its_commit() -> None:
     sched = make_sched(block_size=2, nodes=6, draft=True)
     a = make_req(0, 3)
     sched.add(a)

@@ -159,17 +159,6 @@ def test_truncate_at_stop() -> None:
         truncate_at_stop([5], {7}, -1)
 
 
-def test_eos_among_accepted_tokens_ends_the_round_there() -> None:
-    eos = 3
-    res = VerifyResult(accepted_nodes=[0, 2, 5], tokens=[9, eos, 4, 8], num_accepted=3, bonus=True)
-    cut, stopped = res.truncated({eos}, max_new=100)
-    assert stopped and cut == VerifyResult([0, 2], [9, eos], 2, False)
-    cut, stopped = res.truncated(set(), max_new=3)  # max_tokens reached mid-round
-    assert not stopped and cut == VerifyResult([0, 2, 5], [9, eos, 4], 3, False)
-    cut, stopped = res.truncated({8}, max_new=100)  # stop on the bonus token itself: nothing to cut
-    assert stopped and cut is res
-
-
 def _random_tree(gen: torch.Generator, vocab: int) -> CandidateTree:
     n = int(torch.randint(1, 9, (1,), generator=gen))
     parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]

@@ -11,6 +11,11 @@ is. Every node records the law it was actually drawn from, which is what verific
 
 An ordinary round has no predictions and a single anchor: the last in-flight token.
 
+The layout stays here: the worker remembers each sequence's last scratch pad, and a later ``DraftCommit``
+names the nodes to keep (in-flight tokens, prediction nodes, first-tree nodes); this worker turns them into
+scratch slots. The controller sees trees as ints; their laws go to the verifier under a tree id
+(workers/law_channel.py).
+
 Randomness: the tree below an anchor draws from a generator seeded by (request seed, prefix length at the
 anchor). A tree pre-drafted for a predicted prefix is then exactly the tree a later call would draft for that
 same prefix, so pipelining changes no output, and no draw is ever shared with the verifier's stream.
@@ -20,15 +25,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from workers.input_batch import SeqForward, node_depths
-from workers.messages import DraftResult, DraftSeq, DraftStep, DraftStepOutput, SamplingSpec
-from workers.proposal import draw_children
+from workers.input_batch import SeqForward
+from workers.law_channel import TreeLaws, pack_laws
+from workers.messages import (
+    CommitSpec,
+    DraftCommit,
+    DraftResult,
+    DraftSeq,
+    DraftStep,
+    DraftStepOutput,
+    DraftTree,
+    SamplingSpec,
+)
+from workers.proposal import ProposalMode, draw_children
 from workers.sampling import logits_to_probs
-from workers.verification import CandidateTree, pad_draft_probs
+from workers.tree_topology import most_probable_path, node_depths, scratch_parents
+from workers.verification import pad_draft_probs
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
 
 _MASK64 = (1 << 64) - 1
@@ -51,7 +68,8 @@ class _Tree:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)  # tree parent indices (-1: the anchor)
     scratch: list[int] = field(default_factory=list)  # scratch index of each tree node once forwarded
-    laws: list[torch.Tensor] = field(default_factory=list)  # [V] per node (sampled requests only)
+    laws: list[torch.Tensor] = field(default_factory=list)  # [V] per node (sampled requests only); i.i.d.
+    #                                                        siblings share their parent's law object
     frontier: list[int] = field(default_factory=lambda: [-1])  # tree nodes expanded next (-1: the anchor)
 
     def scratch_of(self, node: int) -> int:
@@ -77,16 +95,61 @@ class _Request:
         return self.u - 1 if pred < 0 else self.u + pred
 
 
+@dataclass
+class _Scratch:
+    """Where a sequence's last call put its nodes: what a later DraftCommit is resolved against."""
+
+    block_table: list[int]
+    base_len: int
+    num_inflight: int
+    num_pred: int
+    tree_slots: list[int]  # scratch index of the first tree's forwarded nodes
+
+    def slots(self, c: DraftCommit) -> list[int]:
+        if c.num_inflight > self.num_inflight or (c.nodes and c.num_inflight != self.num_inflight):
+            raise ValueError(f"commit of sequence {c.seq_id} keeps {c.num_inflight} of {self.num_inflight} "
+                             "in-flight tokens and then nodes: only a whole chain has nodes below it")
+        path = list(range(c.num_inflight))
+        for n in c.nodes:
+            if n < self.num_pred:
+                path.append(self.num_inflight + n)
+            elif n - self.num_pred < len(self.tree_slots):
+                path.append(self.tree_slots[n - self.num_pred])
+            else:
+                raise ValueError(f"commit of sequence {c.seq_id}: node {n} has no draft KV")
+        return path
+
+
 class DraftWorker(WorkerBase):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch: dict[int, _Scratch] = {}
+        self._next_tree_id = 0  # the same on every rank: each rank drafts the same trees
+        # Where the laws of sampled trees go (the verifier's LawStore, or a socket to it); None: nowhere (ranks
+        # other than 0).
+        self.law_sink: Callable[[list[TreeLaws]], None] | None = None
+
     @property
     def vocab_size(self) -> int:
         return self.config.target_vocab_size or self.model_config.vocab_size
 
+    def drop(self, seq_ids: list[int]) -> None:
+        super().drop(seq_ids)
+        for s in seq_ids:
+            self._scratch.pop(s, None)
+
+    def _commit(self, commits: list[DraftCommit]) -> None:
+        specs = []
+        for c in commits:
+            sc = self._scratch.pop(c.seq_id)
+            specs.append(CommitSpec(sc.block_table, sc.base_len, sc.slots(c)))
+        self.runner.commit(specs)
+
     @torch.inference_mode()
     def step(self, msg: DraftStep) -> DraftStepOutput:
         start = time.perf_counter()
-        self.runner.commit(msg.commits)
         self.drop(msg.finished)
+        self._commit(msg.commits)
         reqs = [self._layout(s) for s in msg.seqs]
 
         # Forward 1: prefills, every in-flight chain and prediction nodes; logits where trees or guesses start.
@@ -124,13 +187,18 @@ class DraftWorker(WorkerBase):
                 gen = self._stream(r.seq.sampling, r.seq.base_len + depths[root] + 1)
                 r.trees.append(_Tree(root=root, generator=gen))
         self._grow(reqs, at)
-        results = [DraftResult(r.seq.seq_id, r.pred_tokens, r.pred_parents, r.anchors,
-                               [self._finish(t) for t in r.trees]) for r in reqs]
+        results, laws = [], []
+        for r in reqs:
+            trees = [self._finish(r.seq.seq_id, t, len(r.seq.branching), laws) for t in r.trees]
+            results.append(DraftResult(r.seq.seq_id, r.pred_tokens, r.pred_parents, r.anchors, trees))
+            self._scratch[r.seq.seq_id] = _Scratch(r.seq.block_table, r.seq.base_len, r.u, len(r.pred_tokens),
+                                                   r.trees[0].scratch if r.trees else [])
+        if laws and self.law_sink is not None:
+            self.law_sink(laws)  # before the reply: the verifier may already be waiting for them
         return DraftStepOutput(results, time.perf_counter() - start)
 
     def _layout(self, s: DraftSeq) -> _Request:
-        u = len(s.token_ids)
-        parents = list(range(-1, u - 1)) + [u - 1 if p < 0 else u + p for p in s.pred_parents]
+        parents = scratch_parents(len(s.token_ids), s.pred_parents)
         return _Request(s, parents, self._own_ids(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
                         list(s.pred_parents), list(s.anchors))
 
@@ -207,6 +275,7 @@ class DraftWorker(WorkerBase):
             # children are actually drawn from.
             params = sampling_batch([r.seq.sampling for r in reqs], counts, logits.device)
             probs = pad_draft_probs(logits_to_probs(logits, params), self.vocab_size)  # [rows, V]
+        iid = ProposalMode(self.config.tree_sampling) is ProposalMode.IID
         row = 0
         for r in reqs:
             width = r.seq.branching[d]
@@ -220,6 +289,8 @@ class DraftWorker(WorkerBase):
                         laws = None
                     else:
                         toks, laws = draw_children(probs[row], width, self.config.tree_sampling, t.generator)
+                        if iid and len(laws):
+                            laws = [laws[0]] * len(laws)  # one law object: it crosses to the verifier once
                     for k, tok in enumerate(toks.tolist()):
                         new_frontier.append(len(t.tokens))
                         t.tokens.append(tok)
@@ -229,11 +300,14 @@ class DraftWorker(WorkerBase):
                     row += 1
                 t.frontier = new_frontier
 
-    def _finish(self, t: _Tree) -> CandidateTree:
-        tokens = torch.tensor(t.tokens, dtype=torch.long)
-        parents = torch.tensor(t.parents, dtype=torch.long)
+    def _finish(self, seq_id: int, t: _Tree, depth: int, laws: list[TreeLaws]) -> DraftTree:
+        """The tree as ints; a sampled tree's laws are queued for the verifier under a new tree id."""
+        scores = None
+        tree_id = -1
         if t.laws:
-            probs = torch.stack(t.laws)  # [N, V]
-        else:
-            probs = torch.empty(len(t.tokens), 0)  # greedy: laws are one-hot by construction, never read
-        return CandidateTree(tokens=tokens, parents=parents, draft_probs=probs)
+            scores = [float(law[tok]) for law, tok in zip(t.laws, t.tokens, strict=True)]  # q_i(x_i)
+            tree_id = self._next_tree_id
+            self._next_tree_id += 1
+            laws.append(pack_laws(seq_id, tree_id, t.laws, self.vocab_size))
+        return DraftTree(list(t.tokens), list(t.parents), tree_id, max(0, depth - 1),
+                         most_probable_path(t.parents, scores))

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.attention import PagedMetadata
+from workers.tree_topology import is_chain, node_depths
+
+__all__ = ["SeqForward", "ancestor_masks", "build_batch", "commit_moves", "is_chain", "node_depths"]
 
 
 @dataclass
@@ -45,15 +48,6 @@ class SeqForward:
                              f"{len(self.parents) - self.new_start} (nodes {self.new_start}..{len(self.parents)})")
 
 
-def node_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for j, p in enumerate(parents):
-        if p >= j:
-            raise ValueError(f"parents must be topologically ordered: node {j} has parent {p}")
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
-
-
 def ancestor_masks(parents: list[int]) -> list[list[bool]]:
     """masks[j][i] is True when scratch node i is node j itself or one of its ancestors."""
     masks: list[list[bool]] = []
@@ -63,12 +57,6 @@ def ancestor_masks(parents: list[int]) -> list[list[bool]]:
         row[j] = True
         masks.append(row)
     return masks
-
-
-def is_chain(parents: list[int]) -> bool:
-    """True when node j's parent is j - 1 for every node (a prompt chunk, a decode step, a chain of candidates)."""
-    n = len(parents)
-    return n == 0 or (parents[0] == -1 and parents[-1] == n - 2 and parents == list(range(-1, n - 1)))
 
 
 @dataclass

@@ -30,11 +30,25 @@ class PrefillSeq:
 
 @dataclass
 class CommitSpec:
-    """Move scratch nodes ``path`` down to positions base_len, base_len + 1, ... of the sequence."""
+    """Inside a worker: move scratch nodes ``path`` down to positions base_len, base_len + 1, ... of the sequence."""
 
     block_table: list[int]
     base_len: int
     path: list[int]
+
+
+@dataclass
+class DraftCommit:
+    """Which nodes of the draft's last call for a sequence hold KV for tokens that are now real.
+
+    The draft worker knows where it put them (its scratch layout); the controller names them only: the first
+    ``num_inflight`` in-flight tokens, then ``nodes``, numbered as in that call's DraftResult: its prediction
+    nodes first, then the nodes of its first tree (node i at len(pred_tokens) + i).
+    """
+
+    seq_id: int
+    num_inflight: int
+    nodes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,12 +80,27 @@ class DraftSeq:
 
 
 @dataclass
+class DraftTree:
+    """A drafted candidate tree as the controller sees it: ints only (its laws go to the verifier directly)."""
+
+    tokens: list[int]
+    parents: list[int]  # -1 = child of the anchor; nodes in depth order
+    tree_id: int  # key of its laws on the law channel (workers/law_channel.py); -1: greedy, no laws
+    kv_depth: int  # leading depths whose draft KV was written (the deepest level never is)
+    likely_path: list[int]  # root to leaf through the child the draft gave the most mass (pipelining)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
 class DraftResult:
     seq_id: int
-    pred_tokens: list[int]  # the prediction nodes, guesses appended (scratch nodes after the in-flight tokens)
+    pred_tokens: list[int]  # the prediction nodes, guesses appended
     pred_parents: list[int]
     anchors: list[int]  # one per tree: the given anchors, then every guess node
-    trees: list[Any]  # CandidateTree per anchor
+    trees: list[DraftTree]  # one per anchor
 
 
 @dataclass
@@ -82,10 +111,10 @@ class DraftStepOutput:
 
 @dataclass
 class DraftStep:
-    commits: list[CommitSpec] = field(default_factory=list)  # last round's accepted draft nodes
+    commits: list[DraftCommit] = field(default_factory=list)  # applied first, against each sequence's last call
     prefills: list[PrefillSeq] = field(default_factory=list)  # chunks to cache, no logits needed
     seqs: list[DraftSeq] = field(default_factory=list)
-    finished: list[int] = field(default_factory=list)  # seq ids whose generators can be dropped
+    finished: list[int] = field(default_factory=list)  # seq ids finished or preempted: drop their state
 
 
 @dataclass
@@ -97,9 +126,9 @@ class VerifySeq:
     tree_tokens: list[int]
     tree_parents: list[int]
     sampling: SamplingSpec
-    # [N, V] float32 laws the candidates were drawn from; None for greedy requests (one-hot by construction).
-    # Ships as raw float32 bytes when crossing processes.
-    draft_probs: Any = None
+    # The laws the candidates were drawn from reach the verifying rank from the draft directly, under this id
+    # (the first len(tree_tokens) nodes of that tree); -1 for greedy requests (one-hot by construction).
+    tree_id: int = -1
 
 
 @dataclass
@@ -110,15 +139,19 @@ class TargetStep:
 
 
 @dataclass
-class RoundResult:
-    accepted_nodes: list[int]  # tree node indices, root to leaf
-    tokens: list[int]  # accepted tokens + one recovered/bonus token
+class VerifyResult:
+    """A verified round: the one result type, from verification to the scheduler and the statistics."""
+
+    accepted_nodes: list[int]  # node indices of the accepted path, root to leaf (the KV commit uses them)
+    tokens: list[int]  # the accepted tokens, then exactly one recovered or bonus token
+    num_accepted: int  # len(accepted_nodes)
+    bonus: bool  # True: the last token is a bonus (a leaf was reached); False: recovered
 
 
 @dataclass
 class TargetStepOutput:
     first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
-    results: list[RoundResult]  # one per VerifySeq, same order
+    results: list[VerifyResult]  # one per VerifySeq, same order
     elapsed_s: float = 0.0  # worker-side time of the whole step
 
 

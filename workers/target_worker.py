@@ -4,6 +4,9 @@ For a request in a round the scratch pad holds its in-flight tokens (normally th
 from last round) as a chain, followed by the candidate tree. The logits at the last in-flight token give p for
 the root's children; the logits at node i give p for node i's children (or the bonus at a leaf). After
 verification the in-flight tokens and the accepted path are committed; the rest of the scratch is dropped.
+
+The laws the candidates were drawn from come from the draft worker directly (``law_store``), keyed by the tree
+id the controller passes along: only the rank that verifies ever holds them.
 """
 
 from __future__ import annotations
@@ -13,20 +16,32 @@ import time
 import torch
 
 from workers.input_batch import SeqForward
-from workers.messages import CommitSpec, PrefillSeq, RoundResult, TargetStep, TargetStepOutput, VerifySeq
+from workers.law_channel import LawStore
+from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
 from workers.sampling import logits_to_probs, sample
+from workers.tree_topology import scratch_parents
 from workers.verification import CandidateTree, verify_batch, verify_greedy
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
 
 
 def _verify_piece(s: VerifySeq) -> SeqForward:
     u = len(s.token_ids)
-    parents = list(range(-1, u - 1)) + [u - 1 if p < 0 else u + p for p in s.tree_parents]
+    parents = scratch_parents(u, s.tree_parents)
     return SeqForward(block_table=s.block_table, base_len=s.base_len, parents=parents,
                       token_ids=s.token_ids + s.tree_tokens, logit_nodes=list(range(u - 1, len(parents))))
 
 
+def _commit(s: VerifySeq, accepted: list[int]) -> CommitSpec:
+    """The in-flight tokens and the accepted path, from their scratch slots (the layout of ``_verify_piece``)."""
+    u = len(s.token_ids)
+    return CommitSpec(s.block_table, s.base_len, list(range(u)) + [u + j for j in accepted])
+
+
 class TargetWorker(WorkerBase):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.law_store = LawStore()  # filled by the draft (in-process) or by the law receiver thread (Ray)
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -37,22 +52,20 @@ class TargetWorker(WorkerBase):
         which paths to commit (each rank holds its own heads' KV)."""
         start = time.perf_counter()
         self.drop(msg.finished)
+        self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
         pieces += [_verify_piece(s) for s in msg.seqs]
         logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
-        results: list[RoundResult] = []
+        results: list[VerifyResult] = []
         if self.tp.is_first:
             first_tokens = self._sample_first(sampled, logits[: len(sampled)])
             results = self._verify(msg.seqs, logits[len(sampled):])
         paths = self.tp.broadcast_int_lists([r.accepted_nodes for r in results] if self.tp.is_first else None,
                                             len(msg.seqs), self.device)
-        commits = [CommitSpec(s.block_table, s.base_len,
-                              list(range(len(s.token_ids))) + [len(s.token_ids) + j for j in path])
-                   for s, path in zip(msg.seqs, paths, strict=True)]
-        self.runner.commit(commits)
+        self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])
         return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
 
     def _sample_first(self, sampled: list[PrefillSeq], logits: torch.Tensor) -> dict[int, int]:
@@ -63,21 +76,21 @@ class TargetWorker(WorkerBase):
         gens = [self.generator(p.seq_id, p.sample) for p in sampled]
         return dict(zip([p.seq_id for p in sampled], sample(probs, gens).tolist(), strict=True))
 
-    def _verify(self, seqs: list[VerifySeq], logits: torch.Tensor) -> list[RoundResult]:
-        results: list[RoundResult | None] = [None] * len(seqs)
+    def _verify(self, seqs: list[VerifySeq], logits: torch.Tensor) -> list[VerifyResult]:
+        results: list[VerifyResult | None] = [None] * len(seqs)
         sampled: list[tuple[int, CandidateTree, torch.Tensor]] = []  # (index in seqs, tree, logits [N + 1, V])
         row = 0
         for i, s in enumerate(seqs):
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
-            q = s.draft_probs.to(self.device) if s.draft_probs is not None else torch.empty(n, 0, device=self.device)
+            q = (self.law_store.take(s.seq_id, s.tree_id, n, self.device) if s.tree_id >= 0 and n
+                 else torch.empty(n, 0 if s.sampling.greedy else self.vocab_size, device=self.device))  # [N, V]
             tree = CandidateTree(tokens=torch.tensor(s.tree_tokens, dtype=torch.long, device=self.device),
                                  parents=torch.tensor(s.tree_parents, dtype=torch.long, device=self.device),
                                  draft_probs=q)
             if s.sampling.greedy:
-                res = verify_greedy(tree, rows.argmax(dim=-1))
-                results[i] = RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens))
+                results[i] = verify_greedy(tree, rows.argmax(dim=-1))
             else:
                 sampled.append((i, tree, rows))
         if sampled:
@@ -90,5 +103,5 @@ class TargetWorker(WorkerBase):
             gens = [self.generator(seqs[i].seq_id, seqs[i].sampling) for i, _, _ in sampled]
             verified = verify_batch([t for _, t, _ in sampled], list(probs.split(counts)), gens)
             for (i, _, _), res in zip(sampled, verified, strict=True):
-                results[i] = RoundResult(accepted_nodes=list(res.accepted_nodes), tokens=list(res.tokens))
+                results[i] = res
         return results  # type: ignore[return-value]

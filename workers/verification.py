@@ -28,7 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.messages import VerifyResult
 from workers.sampling import draw_uniforms, sample_with_uniforms
+
+__all__ = ["BatchVerifyOutput", "CandidateTree", "VerifyResult", "pad_draft_probs", "residual_distribution",
+           "truncate_at_stop", "verify_batch", "verify_greedy", "verify_tree", "verify_tree_batch"]
 
 # Trees of one shape are verified together; chunk so the two [B, N, V] float32 work tensors stay ~256 MiB each.
 _MAX_WORK_ELEMENTS = 1 << 26
@@ -70,28 +74,9 @@ class CandidateTree:
 
 
 @dataclass
-class VerifyResult:
-    accepted_nodes: list[int]  # node indices of the accepted path, root to leaf (the KV commit uses them)
-    tokens: list[int]  # the accepted tokens, then exactly one recovered or bonus token
-    num_accepted: int  # len(accepted_nodes)
-    bonus: bool  # True: the last token is a bonus (a leaf was reached); False: recovered
-
-    def truncated(self, stop_token_ids: set[int], max_new: int) -> tuple[VerifyResult, bool]:
-        """Apply `truncate_at_stop`; returns (result, stopped_by_token).
-
-        If the cut falls inside the accepted tokens, the path is cut to the kept tokens and the result has no
-        recovered/bonus token (len(tokens) == num_accepted, bonus False): only the kept nodes are committed.
-        """
-        kept, stopped = truncate_at_stop(self.tokens, stop_token_ids, max_new)
-        if len(kept) == len(self.tokens):
-            return self, stopped
-        nodes = self.accepted_nodes[: len(kept)]
-        return VerifyResult(nodes, kept, len(nodes), False), stopped
-
-
-@dataclass
 class BatchVerifyOutput:
-    """Verification of B same-shaped trees, as tensors on the verification device."""
+    """Verification of B same-shaped trees: B ``VerifyResult``s as tensors on the verification device (the
+    statistical tests read them so; ``to_results`` gives the one result type)."""
 
     path: torch.Tensor  # [B, D] long accepted node indices root to leaf, -1 padded (D = tree depth)
     path_tokens: torch.Tensor  # [B, D] long the accepted tokens, -1 padded

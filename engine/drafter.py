@@ -1,0 +1,141 @@
+"""Drafting a round's candidate trees: the ``Drafter`` interface and the sequential drafter.
+
+Each step the controller asks the drafter for the batch's trees (``propose``), gives it the time the target
+spends verifying (``overlap``), then hands it the verified round (``commit``); ``commit`` says which draft KV
+the round made real and returns the draft's committed length per sequence, for the scheduler, which owns the
+counters. Three implementations:
+
+- ``NoDrafter``: no speculation; every round is a plain decode round.
+- ``SequentialDrafter`` (here): draft, then verify, one after the other.
+- ``PipelinedDrafter`` (engine/pipelined_drafter.py): draft round r+1 while the target verifies round r.
+
+A drafter is built from what it uses: the executor (the draft worker's side of it), the draft's block tables
+(a read-only view of the scheduler's), the tree shape and the step timers. The trees it hands back are ints;
+their laws went from the draft worker to the verifier directly (workers/law_channel.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.metrics import StepTimes
+from scheduler.request import Request
+from scheduler.scheduler import ScheduledBatch
+from workers.messages import (
+    DraftCommit,
+    DraftSeq,
+    DraftStep,
+    DraftStepOutput,
+    DraftTree,
+    PrefillSeq,
+    SamplingSpec,
+    TargetStepOutput,
+)
+
+NO_TREE = DraftTree(tokens=[], parents=[], tree_id=-1, kv_depth=0, likely_path=[])
+
+
+class Drafter(Protocol):
+    def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
+        """One tree per round of ``batch`` (NO_TREE where it drafts nothing). ``gone``: sequences finished or
+        preempted since the last step, whose draft state is dropped."""
+        ...
+
+    def overlap(self, batch: ScheduledBatch, trees: list[DraftTree]) -> None:
+        """Called once the target call is submitted, before waiting for it."""
+        ...
+
+    def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
+        """The verified round: the draft's new committed length of every sequence whose draft KV advanced."""
+        ...
+
+
+def sampling_spec(req: Request) -> SamplingSpec:
+    p = req.params
+    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed)
+
+
+@dataclass
+class DraftCalls:
+    """The draft worker's side of the executor, with its time accounted."""
+
+    executor: object  # engine.executor.Executor
+    times: StepTimes
+    tables: Mapping[int, list[int]]  # the draft's block tables (the scheduler's; read only)
+
+    def submit(self, msg: DraftStep) -> None:
+        self.executor.submit_draft(msg)
+
+    def wait(self) -> DraftStepOutput:
+        out = self.executor.wait_draft()
+        self.times.draft_s += out.elapsed_s
+        return out
+
+    def run(self, msg: DraftStep) -> DraftStepOutput:
+        self.submit(msg)
+        return self.wait()
+
+    def prefills(self, batch: ScheduledBatch) -> list[PrefillSeq]:
+        """The batch's prompt chunks, cached by the draft too (no logits)."""
+        return [PrefillSeq(c.req.seq_id, self.tables[c.req.seq_id], c.start, c.req.all_token_ids[c.start:c.end])
+                for c in batch.prefills]
+
+    def seq(self, req: Request, base_len: int, branching: list[int], **kw) -> DraftSeq:
+        """Draft below the request's last token, feeding every token from ``base_len`` on."""
+        return DraftSeq(req.seq_id, self.tables[req.seq_id], base_len, req.all_token_ids[base_len:],
+                        sampling_spec(req), branching, **kw)
+
+
+class NoDrafter:
+    def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
+        return [NO_TREE] * len(batch.rounds)
+
+    def overlap(self, batch: ScheduledBatch, trees: list[DraftTree]) -> None:
+        pass
+
+    def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
+        return {}
+
+
+@dataclass
+class SequentialDrafter:
+    """Drafts each round's trees from the committed prefix, then waits for them.
+
+    The draft forwards the in-flight tokens and every level of the tree but the deepest; after verification the
+    in-flight tokens and the accepted nodes that were forwarded hold valid draft KV. The draft worker moves
+    them into place at the start of its next call (``DraftCommit``: it knows where it put them).
+    """
+
+    calls: DraftCalls
+    branching: tuple[int, ...]
+    _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
+    _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
+
+    def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
+        for s in gone:
+            self._commits.pop(s, None)
+        self._inflight.clear()
+        msg = DraftStep(commits=list(self._commits.values()), finished=gone, prefills=self.calls.prefills(batch))
+        self._commits.clear()
+        for r, depth in zip(batch.rounds, batch.depths, strict=True):
+            if depth > 0:
+                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(self.branching[:depth])))
+                self._inflight[r.seq_id] = (r.num_cached_draft, r.num_tokens - r.num_cached_draft)
+        trees = {res.seq_id: res.trees[0] for res in self.calls.run(msg).results}
+        return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]
+
+    def overlap(self, batch: ScheduledBatch, trees: list[DraftTree]) -> None:
+        pass
+
+    def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
+        cached = {}
+        for r, tree, res in zip(batch.rounds, trees, out.results, strict=True):
+            if r.seq_id not in self._inflight:
+                continue
+            base, u = self._inflight[r.seq_id]
+            kept = res.accepted_nodes[: tree.kv_depth]  # the deepest level was never forwarded: no draft KV
+            self._commits[r.seq_id] = DraftCommit(r.seq_id, u, kept)
+            cached[r.seq_id] = base + u + len(kept)
+        return cached

@@ -1,0 +1,226 @@
+"""Pipelined speculation: the draft drafts round r+1 while the target verifies round r.
+
+One step, seen from this drafter (engine/drafter.py has the interface):
+
+1. ``propose``: a request whose last round came out as predicted has its next tree ready (a *hit*); every
+   other request is drafted now from its real prefix (a *miss*), in one draft call.
+2. ``overlap``, right after the target call is submitted: predict each request's outcome and pre-draft round
+   r+1's tree for the ``width`` likeliest predicted outcomes, in one draft call that runs during verification.
+3. ``commit``, once the target answered: wait for the pre-draft, match it against the real outcome, keep the
+   draft KV of the longest predicted prefix that came true (sent with the next draft call) and the pre-drafted
+   tree if its prefix is exactly the real one.
+
+Predicted outcomes follow the draft's most probable path through the tree (``DraftTree.likely_path``):
+
+- rejection at depth j of that path, the draft's best token not among the children tried there standing in
+  for the recovered token;
+- full acceptance, then the draft's top tokens at the leaf as the bonus token.
+
+Their likelihood comes from the acceptance rates measured so far (P(exactly j accepted) per depth), so a draft
+that is rarely accepted pre-drafts for early rejections and a good draft for full acceptance.
+
+Lossless: a pre-drafted tree is used only when its prefix equals the real one, and its draws come from the
+stream keyed by that prefix (workers/draft_worker.py), so it is exactly the tree a re-draft would propose:
+greedy and seeded outputs are identical with pipelining on and off.
+
+The draft worker's scratch pad for a pre-draft holds the in-flight chain, then the prediction nodes, the
+guess nodes and the trees; this file never needs to know where: a ``DraftCommit`` names in-flight tokens and
+prediction nodes, and the worker finds them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.drafter import NO_TREE, DraftCalls
+from engine.metrics import SpecDecodingStats
+from scheduler.scheduler import ScheduledBatch
+from scheduler.spec_policy import TreeShape
+from workers.messages import DraftCommit, DraftResult, DraftSeq, DraftStep, DraftTree, GuessSpec, TargetStepOutput
+from workers.tree_topology import children_lists, prune_to_depth
+
+
+@dataclass
+class PipelineStats:
+    predrafted: int = 0  # rounds whose next tree was pre-drafted
+    hits: int = 0  # ... and whose real outcome matched a prediction
+    draft_busy_s: float = 0.0
+    target_busy_s: float = 0.0
+    draft_hidden_s: float = 0.0  # draft time that ran while the target was verifying
+    wall_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "predrafted_rounds": self.predrafted,
+            "hits": self.hits,
+            "hit_rate": round(self.hits / self.predrafted, 4) if self.predrafted else 0.0,
+            "draft_hidden_s": round(self.draft_hidden_s, 4),
+            "draft_idle_s": round(max(0.0, self.wall_s - self.draft_busy_s), 4),
+            "target_idle_s": round(max(0.0, self.wall_s - self.target_busy_s), 4),
+            "wall_s": round(self.wall_s, 4),
+        }
+
+
+@dataclass
+class _PreDraft:
+    base_len: int  # draft KV committed before the in-flight chain
+    chain: list[int]  # in-flight tokens at pre-draft time
+    result: DraftResult | None = None
+
+
+@dataclass
+class Match:
+    """How much of a pre-draft came true: in-flight tokens, then prediction nodes; the tree if it fits exactly."""
+
+    num_inflight: int
+    pred_nodes: list[int]
+    tree: DraftTree | None
+
+
+def match_prediction(chain: list[int], res: DraftResult, real: list[int]) -> Match:
+    """Match the real tokens (from the pre-draft's base on) against the in-flight chain, then down the
+    prediction nodes; the pre-drafted tree counts only if the real prefix ends exactly on its anchor."""
+    for i, tok in enumerate(chain):
+        if i >= len(real) or real[i] != tok:
+            return Match(i, [], None)
+    nodes: list[int] = []
+    node = -1  # the last in-flight token
+    for tok in real[len(chain):]:
+        nxt = next((i for i, (t, p) in enumerate(zip(res.pred_tokens, res.pred_parents, strict=True))
+                    if p == node and t == tok), None)
+        if nxt is None:
+            return Match(len(chain), nodes, None)
+        nodes.append(nxt)
+        node = nxt
+    tree = res.trees[res.anchors.index(node)] if node in res.anchors else None
+    return Match(len(chain), nodes, tree)
+
+
+def prune(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The nodes at depth < max_depth (a tree pre-drafted deeper than the request may still go): a prefix of the
+    nodes, so the verifier takes the first rows of the tree's laws."""
+    keep = prune_to_depth(tree.parents, max_depth)
+    if keep == tree.num_nodes:
+        return tree
+    path = tree.likely_path[:max_depth]
+    return DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.tree_id, min(tree.kv_depth, max_depth), path)
+
+
+@dataclass
+class PipelinedDrafter:
+    calls: DraftCalls
+    tree: TreeShape
+    draft_max_len: int  # the draft's context: no pre-draft that may pass it
+    acceptance: SpecDecodingStats  # measured acceptance, read to rank the predicted outcomes
+    width: int = 2  # predicted outcomes pre-drafted per request
+    stats: PipelineStats = field(default_factory=PipelineStats)
+    _ready: dict[int, DraftTree] = field(default_factory=dict)  # seq_id -> next round's tree (a hit)
+    _commits: dict[int, DraftCommit] = field(default_factory=dict)  # draft KV to keep, sent with the next call
+    _inflight: dict[int, _PreDraft] = field(default_factory=dict)
+    _t_submit: float = 0.0
+    _step_start: float = 0.0
+    _predraft_sent: bool = False
+
+    # ---------------------------------------------------------------------------------------- before verify
+    def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
+        """Hits use their pre-drafted tree; everything else is drafted now from the real prefix."""
+        self._step_start = time.perf_counter()
+        for s in gone:
+            self._ready.pop(s, None)
+            self._commits.pop(s, None)
+            self._inflight.pop(s, None)
+        trees: dict[int, DraftTree] = {}
+        msg = DraftStep(commits=self._take_commits(), finished=gone, prefills=self.calls.prefills(batch))
+        for r, depth in zip(batch.rounds, batch.depths, strict=True):
+            ready = self._ready.pop(r.seq_id, None)
+            if depth == 0:
+                continue
+            if ready is not None:
+                trees[r.seq_id] = prune(ready, depth)
+            else:
+                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(self.tree.branching[:depth])))
+        if msg.seqs or msg.prefills or msg.commits or msg.finished:
+            out = self.calls.run(msg)
+            self.stats.draft_busy_s += out.elapsed_s
+            trees.update({res.seq_id: res.trees[0] for res in out.results})
+        return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]
+
+    # ---------------------------------------------------------------------------------------- during verify
+    def overlap(self, batch: ScheduledBatch, trees: list[DraftTree]) -> None:
+        """Start drafting round r+1 for the predicted outcomes of round r."""
+        self._t_submit = time.perf_counter()
+        msg = DraftStep(commits=self._take_commits())
+        for r, tree in zip(batch.rounds, trees, strict=True):
+            # Round r+1 starts at most num_nodes + 1 tokens further on; skip it if it may pass the draft's context.
+            if (tree.num_nodes == 0 or r.remaining_tokens <= 2
+                    or r.num_tokens + tree.num_nodes + 1 + self.tree.depth > self.draft_max_len):
+                continue
+            # At least one in-flight token: re-feeding the last committed one is harmless (same KV).
+            base = min(r.num_cached_draft, r.num_tokens - 1)
+            seq = self.calls.seq(r, base, list(self.tree.branching), anchors=[])
+            self._predict(seq, tree)
+            msg.seqs.append(seq)
+            self._inflight[r.seq_id] = _PreDraft(base, seq.token_ids)  # result filled in by commit
+        self._predraft_sent = bool(msg.seqs or msg.commits)
+        if self._predraft_sent:
+            self.calls.submit(msg)
+
+    def _predict(self, seq: DraftSeq, tree: DraftTree) -> None:
+        path = tree.likely_path
+        children = children_lists(tree.parents)
+        for d, node in enumerate(path):
+            seq.pred_tokens.append(tree.tokens[node])
+            seq.pred_parents.append(d - 1)
+        # at[d] = P(at least d tokens accepted); the bonus guesses split full acceptance 3:1 between the two.
+        at = [1.0] + self._acceptance(len(path))
+        outcomes = [(at[d] - at[d + 1], d, 0) for d in range(len(path))]  # rejected at depth d
+        outcomes += [(at[-1] * 0.75, len(path), 0), (at[-1] * 0.25, len(path), 1)]  # full, 1st/2nd bonus guess
+        chosen = sorted(outcomes, key=lambda o: -o[0])[: self.width]
+        for d in sorted({d for _, d, _ in chosen}):
+            count = sum(1 for _, dd, _ in chosen if dd == d)
+            if d == len(path):
+                seq.guesses.append(GuessSpec(at=d - 1, count=count))
+            else:
+                tried = children[path[d - 1] + 1] if d > 0 else children[0]
+                seq.guesses.append(GuessSpec(at=d - 1, count=count, exclude=[tree.tokens[c] for c in tried]))
+
+    def _acceptance(self, depth: int) -> list[float]:
+        """P(at least d accepted) for d = 1..depth: measured, or a prior of 0.7 per token before any round."""
+        if self.acceptance.num_rounds < 8:
+            return [0.7 ** d for d in range(1, depth + 1)]
+        rates = self.acceptance.acceptance_per_position
+        return [rates[d - 1] if d - 1 < len(rates) else 0.0 for d in range(1, depth + 1)]
+
+    # ---------------------------------------------------------------------------------------- after verify
+    def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
+        """Wait for the pre-draft, match it against the real outcomes, keep what came true."""
+        t_target = time.perf_counter()
+        self.stats.target_busy_s += out.elapsed_s
+        if self._predraft_sent:
+            pre_out = self.calls.wait()
+            self.stats.draft_busy_s += pre_out.elapsed_s
+            self.stats.draft_hidden_s += min(pre_out.elapsed_s, t_target - self._t_submit)
+            for res in pre_out.results:
+                if res.seq_id in self._inflight:
+                    self._inflight[res.seq_id].result = res
+        cached = {}
+        for r, res in zip(batch.rounds, out.results, strict=True):
+            pre = self._inflight.pop(r.seq_id, None)
+            if pre is None or pre.result is None:
+                continue
+            self.stats.predrafted += 1
+            real = r.all_token_ids[pre.base_len:] + res.tokens  # the round's tokens are emitted after this
+            m = match_prediction(pre.chain, pre.result, real)
+            self._commits[r.seq_id] = DraftCommit(r.seq_id, m.num_inflight, m.pred_nodes)
+            cached[r.seq_id] = pre.base_len + m.num_inflight + len(m.pred_nodes)
+            if m.tree is not None:
+                self.stats.hits += 1
+                self._ready[r.seq_id] = m.tree
+        self.stats.wall_s += time.perf_counter() - self._step_start
+        return cached
+
+    def _take_commits(self) -> list[DraftCommit]:
+        commits = list(self._commits.values())
+        self._commits.clear()
+        return commits
