@@ -8,8 +8,8 @@ lower index first) -- the tie rule our engine uses on every path.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,7 +31,8 @@ TINY = dict(vocab_size=48, hidden_size=32, moe_intermediate_size=16, num_hidden_
 def tiny_hf_model(seed: int = 0, **overrides: Any) -> Any:
     """A random transformers V4 model whose every parameter is non-trivial (sinks, biases, gates too) and
     whose hash-routing tables give each token distinct experts, as real checkpoints do."""
-    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM as HFModel
+    from transformers import DeepseekV4Config
+    from transformers import DeepseekV4ForCausalLM as HFModel
 
     cfg = DeepseekV4Config(**{**TINY, **overrides})
     cfg.architectures = ["DeepseekV4ForCausalLM"]
@@ -156,3 +157,54 @@ def state_diffs(a: SeqState, b: SeqState) -> dict[str, float]:
 def assert_states_close(a: SeqState, b: SeqState, atol: float = 1e-6) -> None:
     bad = {k: v for k, v in state_diffs(a, b).items() if not v <= atol}
     assert not bad, f"committed state differs from serial decoding: {bad}"
+
+
+def mostly_bigram_v4(seed: int, scale: float = 0.3, **overrides: Any) -> Any:
+    """A tiny V4 whose attention and MLP outputs are scaled down by ``scale``: its next token follows the last
+    token about half the time, so a bigram draft gets partial acceptance (paths of every length)."""
+    hf = tiny_hf_model(seed, **overrides)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("o_b_proj.weight", "experts.down_proj", "shared_experts.down_proj.weight")):
+                p.mul_(scale)
+    return hf
+
+
+@torch.inference_mode()
+def make_bigram_draft(path: str, hf_target: Any, seed: int = 0) -> str:
+    """A 1-layer Llama draft (same vocabulary) that proposes b(x) after token x, where b(x) is the target's
+    argmax after the one-token context [x]: attention and MLP outputs are zero, and the head maps each token's
+    (random, nearly orthogonal) embedding to its b(x)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers_models import make_tiny_checkpoint
+
+    vocab = hf_target.config.vocab_size
+    make_tiny_checkpoint(path, family="llama", vocab_size=vocab, num_hidden_layers=1, seed=seed, hidden_size=128,
+                         intermediate_size=64)
+    file = f"{path}/model.safetensors"
+    w = load_file(file)
+    with stable_indexer_topk():  # every one-token context at once: [vocab, 1]
+        b = hf_target(torch.arange(vocab).unsqueeze(1), use_cache=False).logits[:, -1].argmax(-1).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(vocab, 128, generator=gen)
+    head = torch.zeros(vocab, 128)
+    for x, y in enumerate(b):
+        head[y] += emb[x] / emb[x].norm()
+    w["model.embed_tokens.weight"] = emb
+    w["lm_head.weight"] = 4 * head
+    for k in w:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = torch.zeros_like(w[k])
+        elif "norm" in k:
+            w[k] = torch.ones_like(w[k])
+    save_file(w, file, metadata={"format": "pt"})
+    return path
+
+
+def oracle_greedy(hf_model: Any, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from a fresh uncached oracle forward over the whole sequence."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(oracle_logits(hf_model, seq)[-1].argmax()))
+    return seq[len(prompt):]

@@ -64,11 +64,11 @@ def run_rounds(hf, ours, cfg, seed: int, stats: dict[str, int] | None = None) ->
     pending = [int(torch.randint(2, vocab, (1,), generator=gen)) for _ in prompts]
     for _ in range(ROUNDS):
         trees = [_tree(gen, DEPTH, 5, vocab, pending[i]) for i in range(len(prompts))]
-        plans = [cs.make_plan(cfg, st.position, parents) for st, (parents, _) in zip(states, trees)]
-        logits, scratch = ours.run([(st, plan, toks) for st, plan, (_, toks) in zip(states, plans, trees)])
+        plans = [cs.make_plan(cfg, st.position, parents) for st, (parents, _) in zip(states, trees, strict=True)]
+        logits, scratch = ours.run([(st, plan, toks) for st, plan, (_, toks) in zip(states, plans, trees, strict=True)])
         row = 0
         lengths = torch.randperm(DEPTH, generator=gen)[: len(prompts)] + 1  # distinct acceptance lengths
-        for i, ((parents, toks), plan) in enumerate(zip(trees, plans)):
+        for i, ((parents, toks), plan) in enumerate(zip(trees, plans, strict=True)):
             depth_of = [len(path_to(parents, j)) for j in range(len(parents))]
             at_length = [j for j in range(len(parents)) if depth_of[j] == int(lengths[i])]
             node = at_length[int(torch.randint(len(at_length), (1,), generator=gen))]

@@ -121,7 +121,7 @@ class SeqState:
             return CompressorState(z, z.clone(), PagedRows(dim, config.dtype, device))
 
         layers = []
-        for i, kind in enumerate(config.layer_kinds):
+        for kind in config.layer_kinds:
             state = LayerState(kind, torch.zeros(w, d, dtype=config.dtype, device=device))
             if kind == CSA:
                 state.comp = compressor(config.csa_ratio, d, True)
@@ -257,7 +257,7 @@ def commit(state: SeqState, plan: TreePlan, scratch: list[LayerScratch], path: l
     """Install the rows of the accepted ``path`` (node indices, depth 0 first, each the parent of the next)."""
     if not path:
         return
-    for a, b in zip(path, path[1:]):
+    for a, b in zip(path, path[1:], strict=False):
         if plan.parents[b] != a:
             raise ValueError(f"commit path {path} is not a chain of parent -> child nodes")
     if plan.parents[path[0]] != -1:

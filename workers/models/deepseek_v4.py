@@ -210,6 +210,8 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """``forward(input_ids, seqs)`` -> final hidden [T, H]; ``compute_logits`` -> [N, V] float32."""
 
+    compressed_state = True  # runs under workers.compressed_state_runner, not the paged-KV ModelRunner
+
     def __init__(self, config: DeepseekV4ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -276,7 +278,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                     dst = dst[part * inter:(part + 1) * inter]
             tensor = read_full(src)
             if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"shape mismatch loading {raw}: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
+                raise ValueError(f"shape mismatch loading {raw}: expected {tuple(dst.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
             with torch.no_grad():
                 dst.copy_(tensor)
             loaded.add(name if expert is None else f"{name}:{expert}:{part}")
@@ -308,7 +311,8 @@ _RENAMES = [(re.compile(a), b) for a, b in (
     (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
     (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
     (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 )]
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.weight$")

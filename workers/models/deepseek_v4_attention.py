@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan, \
-    WindowPlan
+from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan, WindowPlan
 from workers.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4ModelConfig, RopeTable
 
 
