@@ -10,6 +10,7 @@ the stable indexer top-k, greedy, one forward per token.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.llm import LLM
@@ -78,3 +79,29 @@ def test_batch_of_eight_mixed_requests_with_chunked_prefill(v4) -> None:
     outs.update(run_to_completion(engine))
     assert [outs[str(i)].token_ids for i in range(8)] == want
     assert engine.stats.num_accepted > 0
+
+
+def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path) -> None:
+    """The 3-token sampled law with an i.i.d. tree [2, 2] on a V4 target is the target's (chi-square, the
+    harness of test_engine_sampling): a 12-token V4 with CSA ratio 2, HCA ratio 4 and window 2, so the
+    generated positions complete summaries; draft: the small-vocabulary Qwen3 (another architecture)."""
+    import itertools
+
+    from tests.helpers_v4 import stable_indexer_topk, tiny_hf_model
+    from tests.test_engine_sampling import ALPHA, N, PROMPT, exact_joint, pair_pvalues, sample_engine
+
+    _, draft = small_vocab
+    hf = tiny_hf_model(seed=4, vocab_size=12, sliding_window=2, index_topk=1,
+                       compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
+    hf.save_pretrained(tmp_path)
+    conts = torch.tensor(list(itertools.product(range(12), repeat=3)))  # [V^3, 3]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
+    with torch.inference_mode(), stable_indexer_topk():
+        logits = hf(ids, use_cache=False).logits[:, len(PROMPT) - 1:].double().numpy()  # [V^3, 4, V]
+    logits = logits.reshape(12, 12, 12, 4, 12)
+    law = (1.0, -1, 1.0)
+    (tokens,), llm = sample_engine(str(tmp_path), spec(draft, None, [2, 2], "iid"), [law])
+    stats = llm.engine.stats
+    assert stats.num_rounds >= N and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
+    pvalues = pair_pvalues(tokens, exact_joint(logits, *law))
+    assert min(pvalues.values()) > ALPHA, pvalues

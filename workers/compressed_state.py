@@ -147,9 +147,9 @@ class WindowPlan:
     overlap: bool  # CSA: a summary pools 2m rows (previous window's first half-channels + its own)
     nodes: torch.Tensor  # [S] long: the node completing each new summary, in node order
     index: torch.Tensor  # [S] long: that summary's index in the sequence
-    # Source row of each pooled position: < A: committed accumulator row; A + j: new node j; A + N: padding
-    # (positions before the sequence start; its gate is -inf).
-    gather: torch.Tensor  # [S, L] long, L = 2m (overlap) or m
+    # Source row of each pooled position: < A: committed accumulator row; A + j: new node j; -1: padding
+    # (positions before the sequence start; zero kv, gate -inf).
+    gather: torch.Tensor  # [S, L] long, L = A = 2m (overlap) or m
     committed: int  # summaries already committed (all visible to every node of this forward)
     visible_committed: torch.Tensor  # [N, committed] bool
     visible_new: torch.Tensor  # [N, S] bool
@@ -183,49 +183,49 @@ def _depths(parents: list[int]) -> list[int]:
 
 def make_plan(config: DeepseekV4ModelConfig, position: int, parents: list[int],
               device: torch.device | str = "cpu") -> TreePlan:
+    # Plain-list work (a handful of nodes per sequence, thousands of sequences a step), one tensor each at the end.
     n, w = len(parents), config.sliding_window
     depths = _depths(parents)
-    pos = torch.tensor([position + d for d in depths], dtype=torch.long)  # [N]
-    max_depth = max(depths, default=-1) + 1
-    path_at = torch.full((n, max(max_depth, 1)), -1, dtype=torch.long)  # [N, depth]: ancestor at each depth
+    pos = [position + d for d in depths]
+    paths: list[list[int]] = []  # paths[i][d]: the ancestor of node i at depth d (itself at its own depth)
     for i, p in enumerate(parents):
-        if p >= 0:
-            path_at[i] = path_at[p]
-        path_at[i, depths[i]] = i
-    anc = torch.zeros(n, n, dtype=torch.bool)
-    rows = torch.arange(n).unsqueeze(1).expand_as(path_at)
-    ok = path_at >= 0
-    anc[rows[ok], path_at[ok]] = True
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    anc = [[False] * n for _ in range(n)]
+    for i, path in enumerate(paths):
+        for j in path:
+            anc[i][j] = True
+    slot_pos = [(position - 1) - ((position - 1 - s) % w) for s in range(w)]  # position held by each slot
+    ring_visible = [[0 <= q and q > pi - w for q in slot_pos] for pi in pos]
+    new_visible = [[anc[i][j] and pos[j] > pos[i] - w for j in range(n)] for i in range(n)]
 
-    slot = torch.arange(w)
-    slot_pos = (position - 1) - ((position - 1 - slot) % w)  # [W]: position held by each committed slot
-    ring_visible = (slot_pos >= 0).unsqueeze(0) & (slot_pos.unsqueeze(0) > pos.unsqueeze(1) - w)
-    new_visible = anc & (pos.unsqueeze(0) > pos.unsqueeze(1) - w)
-    related = anc | anc.T  # same branch: ancestor or descendant, never a sibling
-    plan = TreePlan(position, list(parents), pos.to(device), anc.to(device), ring_visible.to(device),
-                    new_visible.to(device))
+    def t(x, dtype=torch.bool) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
 
+    plan = TreePlan(position, list(parents), t(pos, torch.long), t(anc).view(n, n), t(ring_visible).view(n, w),
+                    t(new_visible).view(n, n))
     for kind, ratio in ((CSA, config.csa_ratio), (HCA, config.hca_ratio)):
         if kind not in config.layer_kinds:
             continue
         overlap = kind == CSA
-        span = 2 * ratio if overlap else ratio
-        acc_rows = span
-        completing = ((pos + 1) % ratio == 0).nonzero().flatten()  # [S]
-        gather = torch.full((len(completing), span), acc_rows + n, dtype=torch.long)
-        for s, node in enumerate(completing.tolist()):
+        span = 2 * ratio if overlap else ratio  # pooled rows per summary = accumulator rows
+        completing = [i for i in range(n) if (pos[i] + 1) % ratio == 0]
+        gather = []
+        for node in completing:
+            row = []
             for r in range(span):
-                q = int(pos[node]) - span + 1 + r
-                if q < 0:
-                    continue
-                gather[s, r] = q % acc_rows if q < position else acc_rows + int(path_at[node, q - position])
-        index = (pos[completing] + 1) // ratio - 1
+                q = pos[node] - span + 1 + r
+                row.append(-1 if q < 0 else q % span if q < position else span + paths[node][q - position])
+            gather.append(row)
+        index = [(pos[c] + 1) // ratio - 1 for c in completing]
         committed = position // ratio
-        seen = summaries_visible(pos, ratio)  # [N]
-        vis_c = torch.arange(committed).unsqueeze(0) < seen.unsqueeze(1)
-        vis_n = related[:, completing] & (index.unsqueeze(0) < seen.unsqueeze(1))
-        plan.windows[kind] = WindowPlan(ratio, overlap, completing.to(device), index.to(device), gather.to(device),
-                                         committed, vis_c.to(device), vis_n.to(device))
+        seen = summaries_visible(torch.tensor(pos), ratio).tolist()
+        vis_c = [[j < seen[i] for j in range(committed)] for i in range(n)]
+        # a new summary: same branch (ancestor or descendant, never a sibling) and its window complete
+        vis_n = [[(anc[i][c] or anc[c][i]) and index[k] < seen[i] for k, c in enumerate(completing)]
+                 for i in range(n)]
+        plan.windows[kind] = WindowPlan(ratio, overlap, t(completing, torch.long), t(index, torch.long),
+                                        t(gather, torch.long).view(len(completing), span), committed,
+                                        t(vis_c).view(n, committed), t(vis_n).view(n, len(completing)))
     return plan
 
 

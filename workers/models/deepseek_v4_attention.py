@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan, WindowPlan
+from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan
 from workers.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4ModelConfig, RopeTable
 
 
@@ -82,6 +82,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated], dim=-1)
 
 
+@dataclass
+class SeqSlice:
+    """One sequence of a forward pass: its rows of the flattened batch, its plan, state and scratch."""
+
+    start: int
+    plan: TreePlan
+    layers: list[LayerState]
+    scratch: list[LayerScratch]
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.plan.num_nodes
+
+
 class Compressor(nn.Module):
     """Learned gated pooling of a window of projected rows into one summary (HCA: m rows; CSA: 2m rows)."""
 
@@ -99,17 +113,11 @@ class Compressor(nn.Module):
         w = wide(hidden.dtype)
         return self.kv_proj(hidden).to(w), self.gate_proj(hidden).to(w)
 
-    def summarize(self, state: CompressorState, kv: torch.Tensor, gate: torch.Tensor, wp: WindowPlan,
+    def summarize(self, src_kv: torch.Tensor, src_gate: torch.Tensor, gather: torch.Tensor, index: torch.Tensor,
                   rope: RopeTable, dtype: torch.dtype) -> torch.Tensor:
-        """The summaries one sequence's new nodes complete: kv/gate [N, C] of its new rows -> [S, dim]."""
-        if wp.nodes.numel() == 0:
-            return torch.zeros(0, self.dim, dtype=dtype, device=kv.device)
-        cols = kv.shape[1]
-        pad_kv = torch.zeros(1, cols, dtype=kv.dtype, device=kv.device)
-        pad_gate = torch.full((1, cols), float("-inf"), dtype=kv.dtype, device=kv.device)
-        src_kv = torch.cat([state.acc_kv, kv, pad_kv])  # [A + N + 1, C]
-        src_gate = torch.cat([state.acc_gate, gate, pad_gate])
-        g_kv, g_gate = src_kv[wp.gather], src_gate[wp.gather]  # [S, L, C]
+        """Pool the rows ``gather`` [S, L] of src_kv / src_gate [R, C] (R - 1: the padding row) into the
+        summaries with sequence indices ``index`` [S] -> [S, dim]."""
+        g_kv, g_gate = src_kv[gather], src_gate[gather]  # [S, L, C]
         m, d = self.ratio, self.dim
         if self.overlap:
             # rows 0..m-1: the previous window, first half-channels; rows m..2m-1: this window, second half
@@ -120,8 +128,32 @@ class Compressor(nn.Module):
             w_kv, w_gate = g_kv, g_gate + self.position_bias  # [S, m, D]
         pooled = (w_kv.to(dtype) * w_gate.softmax(dim=1, dtype=wide(dtype)).to(dtype)).sum(dim=1)  # [S, D]
         pooled = self.kv_norm(pooled)
-        cos, sin = rope_cos_sin(rope, wp.index * m, pooled.dtype)  # RoPE at each window's first position
+        cos, sin = rope_cos_sin(rope, index * m, pooled.dtype)  # RoPE at each window's first position
         return apply_rope(pooled, cos, sin)
+
+    def summarize_batch(self, states: list[CompressorState], kv: torch.Tensor, gate: torch.Tensor,
+                        seqs: list[SeqSlice], kind: str, rope: RopeTable, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The summaries every sequence's new nodes complete, pooled in one go: kv/gate [T, C] are the batch's
+        new rows -> per sequence [S_i, dim]."""
+        sources_kv, sources_gate, gathers, indices, counts = [], [], [], [], []
+        offset = 0
+        for s, st in zip(seqs, states, strict=True):
+            wp = s.plan.windows[kind]
+            sources_kv += [st.acc_kv, kv[s.start:s.stop]]
+            sources_gate += [st.acc_gate, gate[s.start:s.stop]]
+            counts.append(wp.nodes.numel())
+            if counts[-1]:
+                gathers.append(torch.where(wp.gather < 0, -1, wp.gather + offset))
+                indices.append(wp.index)
+            offset += st.acc_kv.shape[0] + s.plan.num_nodes
+        if not gathers:
+            return [kv.new_zeros(0, self.dim, dtype=dtype) for _ in seqs]
+        cols = kv.shape[1]
+        sources_kv.append(kv.new_zeros(1, cols))  # the padding row (index -1): zero kv, gate -inf
+        sources_gate.append(kv.new_full((1, cols), float("-inf")))
+        pooled = self.summarize(torch.cat(sources_kv), torch.cat(sources_gate), torch.cat(gathers),
+                                torch.cat(indices), rope, dtype)
+        return list(pooled.split(counts))
 
 
 class IndexerScorer(nn.Module):
@@ -149,20 +181,6 @@ def stable_topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tor
     order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
     chosen = torch.zeros_like(visible).scatter_(1, order, True)
     return chosen & visible
-
-
-@dataclass
-class SeqSlice:
-    """One sequence of a forward pass: its rows of the flattened batch, its plan, state and scratch."""
-
-    start: int
-    plan: TreePlan
-    layers: list[LayerState]
-    scratch: list[LayerScratch]
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.plan.num_nodes
 
 
 class DeepseekV4Attention(nn.Module):
@@ -207,28 +225,41 @@ class DeepseekV4Attention(nn.Module):
             wd = wide(hidden.dtype)
             iq = apply_rope(iq, cos, sin).to(wd)  # [T, Hi, Di] (compress table, as the layer's)
             iw = indexer.scorer.weights_proj(hidden).to(wd) * indexer.heads ** -0.5  # [T, Hi]
-        out = torch.empty_like(q)
-        for s in seqs:
+        new_comp = new_idx = None
+        if self.compressor is not None and comp is not None:
+            new_comp = self.compressor.summarize_batch([s.layers[self.layer].comp for s in seqs], comp[0], comp[1],
+                                                       seqs, self.kind, self.rope, hidden.dtype)
+        if self.kind == CSA and idx is not None:
+            new_idx = indexer.summarize_batch([s.layers[self.layer].index for s in seqs], idx[0], idx[1], seqs,
+                                              self.kind, self.rope, hidden.dtype)
+        keys: list[torch.Tensor] = []
+        visible: list[torch.Tensor] = []
+        for i, s in enumerate(seqs):
             a, b = s.start, s.stop
             st, plan = s.layers[self.layer], s.plan
             scratch = LayerScratch(kv[a:b])
             comp_keys = comp_visible = None
-            if self.compressor is not None and st.comp is not None and comp is not None:
+            if st.comp is not None and comp is not None and new_comp is not None:
                 wp = plan.windows[self.kind]
-                new = self.compressor.summarize(st.comp, comp[0][a:b], comp[1][a:b], wp, self.rope, hidden.dtype)
+                new = new_comp[i]
                 scratch.comp = CompressorScratch(comp[0][a:b], comp[1][a:b], new)
                 comp_keys = torch.cat([st.comp.summaries.rows(), new])  # [n_c + S, D]
                 comp_visible = torch.cat([wp.visible_committed, wp.visible_new], dim=1)  # [N, n_c + S]
-                if self.kind == CSA and st.index is not None and idx is not None:
-                    new_i = indexer.summarize(st.index, idx[0][a:b], idx[1][a:b], wp, self.rope,
-                                                         hidden.dtype)
+                if st.index is not None and idx is not None and new_idx is not None:
+                    new_i = new_idx[i]
                     scratch.index = CompressorScratch(idx[0][a:b], idx[1][a:b], new_i)
                     keys_i = torch.cat([st.index.summaries.rows(), new_i]).to(wd)  # [n_c + S, Di]
                     scores = F.relu(torch.matmul(iq[a:b], keys_i.T)) * indexer.dim ** -0.5  # [N, Hi, n_c + S]
                     scores = (scores * iw[a:b].unsqueeze(-1)).sum(dim=1)  # [N, n_c + S]
                     comp_visible = stable_topk_mask(scores, comp_visible, indexer.topk)
-            out[a:b] = self._attend(q[a:b], st.ring, kv[a:b], plan, comp_keys, comp_visible)
+            parts, vis_parts = [st.ring, kv[a:b]], [plan.ring_visible, plan.new_visible]
+            if comp_keys is not None and comp_visible is not None:
+                parts.append(comp_keys)
+                vis_parts.append(comp_visible)
+            keys.append(torch.cat(parts))  # [W + N + C, D]
+            visible.append(torch.cat(vis_parts, dim=1))  # [N, W + N + C]
             s.scratch.append(scratch)
+        out = self._attend(q, keys, visible, seqs)  # [T, Hq, D]
         out = apply_rope(out, cos, -sin)  # K=V carried RoPE into the output: rotate back by the query position
         g = self.cfg.o_groups
         grouped = out.reshape(t, g, -1).transpose(0, 1)  # [g, T, Hq * D / g]
@@ -236,21 +267,24 @@ class DeepseekV4Attention(nn.Module):
         grouped = torch.bmm(grouped, w).transpose(0, 1).reshape(t, -1)  # [T, g * o_lora_rank]
         return self.o_b_proj(grouped)
 
-    def _attend(self, q: torch.Tensor, ring: torch.Tensor, kv: torch.Tensor, plan: TreePlan,
-                comp_keys: torch.Tensor | None, comp_visible: torch.Tensor | None) -> torch.Tensor:
-        """q [N, Hq, D] over ring [W, D] + new kv [N, D] (+ summaries [C, D]) -> [N, Hq, D]."""
-        keys = [ring, kv]
-        visible = [plan.ring_visible, plan.new_visible]
-        if comp_keys is not None and comp_visible is not None:
-            keys.append(comp_keys)
-            visible.append(comp_visible)
-        k = torch.cat(keys)  # [L, D]
-        vis = torch.cat(visible, dim=1)  # [N, L]
-        logits = torch.matmul(q.transpose(0, 1), k.T) * self.scale  # [Hq, N, L]
-        logits = logits.masked_fill(~vis, float("-inf"))
-        sinks = self.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, q.shape[0], 1)  # [Hq, N, 1]
+    def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], visible: list[torch.Tensor],
+                seqs: list[SeqSlice]) -> torch.Tensor:
+        """q [T, Hq, D] (the sequences' rows in order); per sequence its keys [L_i, D] (K = V) and which of them
+        each of its nodes sees [N_i, L_i] -> [T, Hq, D]. One padded batch: padding is never visible."""
+        b = len(seqs)
+        counts = [s.plan.num_nodes for s in seqs]
+        n_max, l_max = max(counts), max(k.shape[0] for k in keys)
+        k = nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [B, L, D]
+        qp = nn.utils.rnn.pad_sequence(list(q.split(counts)), batch_first=True)  # [B, N, Hq, D]
+        vis = torch.zeros(b, n_max, l_max, dtype=torch.bool, device=q.device)
+        for i, v in enumerate(visible):
+            vis[i, : v.shape[0], : v.shape[1]] = v
+        logits = torch.matmul(qp.transpose(1, 2), k.unsqueeze(1).transpose(-1, -2)) * self.scale  # [B, Hq, N, L]
+        logits = logits.masked_fill(~vis.unsqueeze(1), float("-inf"))
+        sinks = self.sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, n_max, 1)  # [B, Hq, N, 1]
         combined = torch.cat([logits, sinks], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = combined.softmax(dim=-1)[..., :-1]  # the sink only takes probability mass
-        return torch.matmul(probs.to(k.dtype), k).transpose(0, 1)  # [N, Hq, D]
-
+        out = torch.matmul(probs.to(k.dtype), k.unsqueeze(1)).transpose(1, 2)  # [B, N, Hq, D]
+        real = torch.arange(n_max, device=q.device).unsqueeze(0) < torch.tensor(counts, device=q.device).unsqueeze(1)
+        return out[real]  # [T, Hq, D]: the padded rows dropped, sequences in order
