@@ -105,3 +105,29 @@ def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path) -> None:
     assert stats.num_rounds >= N and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
     pvalues = pair_pvalues(tokens, exact_joint(logits, *law))
     assert min(pvalues.values()) > ALPHA, pvalues
+
+
+@pytest.mark.parametrize("branching", [None, [2, 2, 1]], ids=["chain4", "tree221"])
+def test_pipelined_speculation_equals_oracle(v4, branching) -> None:
+    target, draft, expected = v4
+    got, engine = _generate(target, {**spec(draft, 4 if branching is None else None, branching), "pipeline": True})
+    assert got == expected
+    assert engine.pipeline is not None and engine.pipeline.stats.predrafted > 0
+
+
+def test_preemption_restarts_the_compressed_state(v4, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool that cannot hold every request: preempted requests come back with base_len 0 and a fresh state."""
+    from scheduler.scheduler import Scheduler
+
+    target, draft, expected = v4
+    preempted: list[int] = []
+    real = Scheduler._preempt
+
+    def counting_preempt(self, req):
+        preempted.append(req.seq_id)
+        real(self, req)
+
+    monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
+    llm = LLM(target, spec(draft, None, [2, 2, 1]), block_size=4, num_kv_tokens=96)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert len(preempted) >= 2
