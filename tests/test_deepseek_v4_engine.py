@@ -88,7 +88,7 @@ def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path) -> None:
     import itertools
 
     from tests.helpers_v4 import stable_indexer_topk, tiny_hf_model
-    from tests.test_engine_sampling import ALPHA, N, PROMPT, exact_joint, pair_pvalues, sample_engine
+    from tests.test_engine_sampling import ALPHA, PROMPT, N, exact_joint, pair_pvalues, sample_engine
 
     _, draft = small_vocab
     hf = tiny_hf_model(seed=4, vocab_size=12, sliding_window=2, index_topk=1,
