@@ -147,9 +147,13 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: DeepseekV4ModelConfig) -> None:
+    """Routed experts; with tensor parallelism each rank holds num_experts / tp of them and the routed sum is
+    all-reduced."""
+
+    def __init__(self, cfg: DeepseekV4ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, i = cfg.num_experts // tp.size, cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp, self.first = tp, tp.rank * e
         self.gate_up_proj = _param(e, 2 * i, h, dtype=cfg.dtype)
         self.down_proj = _param(e, h, i, dtype=cfg.dtype)
         self.limit = cfg.swiglu_limit
@@ -157,20 +161,23 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], experts / weights [T, k] -> [T, H]; each expert runs once over the rows routed to it."""
         out = torch.zeros_like(x)
+        local = self.gate_up_proj.shape[0]
         for e in experts.unique().tolist():
+            if not self.first <= e < self.first + local:
+                continue  # another rank's expert
             rows, slot = (experts == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            gate, up = F.linear(x[rows], self.gate_up_proj[e - self.first]).chunk(2, dim=-1)
             y = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
-            y = F.linear(y, self.down_proj[e]) * weights[rows, slot, None]
+            y = F.linear(y, self.down_proj[e - self.first]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return out
+        return self.tp.all_reduce(out)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_kinds[layer] == "hash_moe")
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, tp)
         self.shared_experts = SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -179,10 +186,10 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = DeepseekV4Attention(cfg, layer)
-        self.mlp = MoE(cfg, layer)
+        self.self_attn = DeepseekV4Attention(cfg, layer, tp)
+        self.mlp = MoE(cfg, layer, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
@@ -197,12 +204,12 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: DeepseekV4ModelConfig) -> None:
+    def __init__(self, cfg: DeepseekV4ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
@@ -216,9 +223,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp or TPGroup.single()
-        if self.tp.size != 1:
-            raise ValueError("DeepSeek-V4 runs with tensor-parallel size 1 for now (TP=2 is not implemented)")
-        self.model = DeepseekV4Model(config)
+        for what, n in (("num_attention_heads", config.num_heads), ("o_groups", config.o_groups),
+                        ("n_routed_experts", config.num_experts)):
+            if n % self.tp.size:
+                raise ValueError(f"tensor-parallel size {self.tp.size} must divide {what}={n}")
+        self.model = DeepseekV4Model(config, self.tp)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, config.dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -272,11 +281,17 @@ class DeepseekV4ForCausalLM(nn.Module):
             if name not in targets:
                 raise KeyError(f"checkpoint tensor {raw!r} has no matching parameter in DeepseekV4ForCausalLM")
             dst = targets[name]
+            tensor = read_full(src)
             if expert is not None:  # one expert's w1 / w3 (halves of gate_up_proj) or w2 (down_proj)
-                dst = dst[expert]
+                local = expert - self.tp.rank * dst.shape[0]
+                if not 0 <= local < dst.shape[0]:
+                    loaded.add(f"{name}:{expert}:{part}")  # another rank's expert
+                    continue
+                dst = dst[local]
                 if part is not None:
                     dst = dst[part * inter:(part + 1) * inter]
-            tensor = read_full(src)
+            else:
+                tensor = self._shard(name, tensor)
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ValueError(f"shape mismatch loading {raw}: expected {tuple(dst.shape)}, "
                                  f"got {tuple(tensor.shape)}")
@@ -284,7 +299,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 dst.copy_(tensor)
             loaded.add(name if expert is None else f"{name}:{expert}:{part}")
         expected = set()
-        for name in targets:
+        for name in targets:  # (per-expert names count every expert, this rank's or not)
             if name.endswith("experts.gate_up_proj") and f"{name}" not in loaded:
                 expected.update(f"{name}:{e}:{h}" for e in range(self.config.num_experts) for h in (0, 1))
             elif name.endswith("experts.down_proj") and name not in loaded:
@@ -295,6 +310,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing weights for: {shown}")
+
+    def _shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full tensor: query heads (q_b_proj rows, sinks), output groups (o_a_proj rows,
+        o_b_proj columns), experts (merged tensors). Everything else is replicated."""
+        r, n = self.tp.rank, self.tp.size
+        if n == 1:
+            return full
+        if name.endswith((".self_attn.q_b_proj.weight", ".self_attn.sinks", ".self_attn.o_a_proj.weight",
+                          ".experts.gate_up_proj", ".experts.down_proj")):
+            return full.chunk(n, dim=0)[r]
+        if name.endswith(".self_attn.o_b_proj.weight"):
+            return full.chunk(n, dim=1)[r]
+        return full
 
 
 # DeepSeek's checkpoint names -> ours (= transformers'), applied in order; each is a no-op on our names.

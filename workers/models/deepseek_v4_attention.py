@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.compressed_state import CompressorScratch, CompressorState, LayerScratch, LayerState, TreePlan
+from workers.distributed import TPGroup
 from workers.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4ModelConfig, RopeTable
 
 
@@ -184,12 +185,18 @@ def stable_topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tor
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int) -> None:
+    """Tensor parallelism: each rank holds num_heads / tp query heads (their q_b_proj rows, sinks, and the
+    o_groups / tp output groups they feed); the K=V head, compressors and indexer are replicated, so every
+    rank keeps the same compressed state. The output projection's partial sums are all-reduced."""
+
+    def __init__(self, cfg: DeepseekV4ModelConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
+        self.tp = tp or TPGroup.single()
         self.kind = cfg.layer_kinds[layer]
         self.rope = cfg.rope_main if self.kind == SLIDING else cfg.rope_compress
-        h, d, nh = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        h, d, nh = cfg.hidden_size, cfg.head_dim, cfg.num_heads // self.tp.size
+        self.o_groups = cfg.o_groups // self.tp.size
         self.num_heads, self.head_dim, self.scale = nh, d, d ** -0.5
         self.sinks = nn.Parameter(torch.empty(nh, dtype=torch.float32), requires_grad=False)
         self.q_a_proj = Linear(h, cfg.q_lora_rank, cfg.dtype)
@@ -198,8 +205,8 @@ class DeepseekV4Attention(nn.Module):
         self.kv_proj = Linear(h, d, cfg.dtype)
         self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
         # grouped output projection: each of o_groups head groups -> o_lora_rank, then one mix to hidden
-        self.o_a_proj = Linear(nh * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.dtype)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, h, cfg.dtype)
+        self.o_a_proj = Linear(nh * d // self.o_groups, self.o_groups * cfg.o_lora_rank, cfg.dtype)
+        self.o_b_proj = Linear(self.o_groups * cfg.o_lora_rank, h, cfg.dtype)
         self.compressor: Compressor | None = None
         if self.kind != SLIDING:
             ratio = cfg.csa_ratio if self.kind == CSA else cfg.hca_ratio
@@ -261,11 +268,11 @@ class DeepseekV4Attention(nn.Module):
             s.scratch.append(scratch)
         out = self._attend(q, keys, visible, seqs)  # [T, Hq, D]
         out = apply_rope(out, cos, -sin)  # K=V carried RoPE into the output: rotate back by the query position
-        g = self.cfg.o_groups
+        g = self.o_groups
         grouped = out.reshape(t, g, -1).transpose(0, 1)  # [g, T, Hq * D / g]
         w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1]).transpose(1, 2)  # [g, in, o_lora_rank]
         grouped = torch.bmm(grouped, w).transpose(0, 1).reshape(t, -1)  # [T, g * o_lora_rank]
-        return self.o_b_proj(grouped)
+        return self.tp.all_reduce(self.o_b_proj(grouped))
 
     def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], visible: list[torch.Tensor],
                 seqs: list[SeqSlice]) -> torch.Tensor:
