@@ -60,3 +60,33 @@ def test_tp2_logits_equal_single_rank(tmp_path) -> None:
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for key, ref in expected.items():
             torch.testing.assert_close(got[key], ref, atol=1e-5, rtol=0, msg=f"rank {rank}, {key}")
+
+
+def test_engine_tp2_over_ray_tree_speculation_equals_oracle(tmp_path) -> None:
+    """The whole engine: V4 target on two Ray workers (TP over Gloo), the bigram Llama draft, a [2, 2, 1] tree."""
+    import ray
+
+    from engine.llm import LLM
+    from scheduler.sampling_params import SamplingParams
+    from tests.conftest import spec
+    from tests.helpers_v4 import make_bigram_draft, mostly_bigram_v4, oracle_greedy
+
+    hf = mostly_bigram_v4(seed=3, vocab_size=128)
+    hf.save_pretrained(tmp_path / "target")
+    draft = make_bigram_draft(str(tmp_path / "draft"), hf)
+    prompts = [[1, 17, 44, 9, 83], [1] + list(range(20, 32))]
+    expected = [oracle_greedy(hf, p, 16) for p in prompts]
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        llm = LLM(str(tmp_path / "target"), spec(draft, None, [2, 2, 1]), distributed_executor_backend="ray",
+                  tensor_parallel_size=2)
+        try:
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+            assert llm.engine.stats.mean_acceptance_length > 1.2
+        finally:
+            llm.shutdown()
+    finally:
+        ray.shutdown()
