@@ -131,3 +131,18 @@ def test_preemption_restarts_the_compressed_state(v4, monkeypatch: pytest.Monkey
     llm = LLM(target, spec(draft, None, [2, 2, 1]), block_size=4, num_kv_tokens=96)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert len(preempted) >= 2
+
+
+@pytest.mark.parametrize("k,branching", [(4, None), (None, [2, 2, 1])], ids=["chain4", "tree221"])
+def test_v4_draft_keeps_its_own_compressed_state(v4, k, branching) -> None:
+    """The target itself as the draft: a compressed-state draft growing trees over several calls per round and
+    committing what was accepted. Its top candidate is always the target's argmax: every round accepts its full
+    depth (a rollback of the draft's state, as pipelining needs, is not supported: see the runner)."""
+    from tests.test_engine_greedy import full_acceptance
+
+    target, _, expected = v4
+    got, engine = _generate(target, spec(target, k, branching))
+    assert got == expected
+    rounds, accepted = full_acceptance(MAX_TOKENS, k or len(branching))
+    s = engine.stats
+    assert (s.num_rounds, s.num_accepted) == (rounds * len(PROMPTS), accepted * len(PROMPTS)), s.as_dict()

@@ -7,6 +7,8 @@ onto ``workers.compressed_state``:
 - ``forward``: one ``TreePlan`` per piece, one model pass over all of them; each piece's scratch rows are kept
   until its sequence's next call;
 - ``commit``: installs the path's rows (in-flight chain + accepted nodes) and drops the rest;
+- a draft grows its tree over several calls of one round (``new_start > 0``): each such call recomputes the
+  round's earlier nodes with the new ones, so the scratch always holds the whole tree;
 - a prefill chunk is never committed explicitly (with paged KV its nodes are already in place): when a
   sequence comes back with ``base_len`` past its committed position, the leading chain of its last scratch
   is installed first -- exactly what "already in place" means for the paged cache.
@@ -33,6 +35,7 @@ from workers.models.deepseek_v4 import DeepseekV4ForCausalLM
 class _Pending:
     plan: TreePlan
     scratch: list[LayerScratch]
+    tokens: list[int]  # of every scratch node, so a later call of the same round can extend the tree
 
 
 class CompressedStateRunner:
@@ -47,8 +50,12 @@ class CompressedStateRunner:
         if not piece.block_table:
             raise ValueError("a compressed-state sequence needs a block table (its first block names it)")
         key = piece.block_table[0]
-        if piece.new_start:
-            raise NotImplementedError("compressed-state models do not yet run as drafts (pieces with new_start)")
+        if piece.new_start:  # a draft growing its tree: same round, nothing committed since the last call
+            pend = self.pending.get(key)
+            if pend is None or pend.plan.num_nodes != piece.new_start or piece.base_len != self.states[key].position:
+                raise ValueError(f"sequence with first block {key}: a call extending scratch nodes "
+                                 f"0..{piece.new_start} that its last call did not leave")
+            return self.states[key]
         if piece.base_len == 0:
             self.states[key] = SeqState.empty(self.config, self.device)
             self.pending.pop(key, None)
@@ -59,8 +66,11 @@ class CompressedStateRunner:
         if gap > 0:  # last call's leading chain is now committed (a prefill chunk)
             self._install(key, list(range(gap)))
         if piece.base_len != state.position:
+            # base_len below the committed position: a pipelined draft rolling back predicted tokens. Paged KV
+            # just forgets them; compressed state would need an undo of the last commit (not implemented).
             raise ValueError(f"sequence with first block {key}: base_len {piece.base_len} but {state.position} "
-                             "tokens committed")
+                             "tokens committed (compressed state cannot be rolled back: a compressed-state "
+                             "draft cannot be pipelined)")
         return state
 
     def _install(self, key: int, path: list[int]) -> None:
@@ -78,12 +88,15 @@ class CompressedStateRunner:
         for piece in seqs:
             state = self._state(piece)
             plan = cs.make_plan(self.config, state.position, piece.parents, self.device)
-            requests.append((state, plan, piece.token_ids))
+            # A call that extends the last one recomputes its earlier nodes too (exact, and cheap for a draft:
+            # a tree has a few nodes), so the scratch always covers the whole tree of the round.
+            earlier = self.pending[piece.block_table[0]].tokens if piece.new_start else []
+            requests.append((state, plan, earlier + list(piece.token_ids)))
         logits, scratch = self.model.run(requests)  # [T, V]
         rows, start = [], 0
-        for piece, (_, plan, _), sc in zip(seqs, requests, scratch, strict=True):
-            self.pending[piece.block_table[0]] = _Pending(plan, sc)
-            rows += [start + j for j in piece.logit_nodes]
+        for piece, (_, plan, tokens), sc in zip(seqs, requests, scratch, strict=True):
+            self.pending[piece.block_table[0]] = _Pending(plan, sc, tokens)
+            rows += [start + j for j in piece.logit_nodes]  # node indices of the whole tree
             start += plan.num_nodes
         return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
 
