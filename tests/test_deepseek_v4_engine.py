@@ -17,7 +17,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
-from tests.conftest import run_to_completion, spec
+from tests.conftest import run_to_completion, spec, workers
 from tests.helpers_v4 import make_bigram_draft, mostly_bigram_v4, oracle_greedy
 
 MAX_TOKENS = 24
@@ -137,7 +137,7 @@ def test_preemption_restarts_the_compressed_state(v4, monkeypatch: pytest.Monkey
 def test_v4_draft_keeps_its_own_compressed_state(v4, k, branching) -> None:
     """The target itself as the draft: a compressed-state draft growing trees over several calls per round and
     committing what was accepted. Its top candidate is always the target's argmax: every round accepts its full
-    depth (a rollback of the draft's state, as pipelining needs, is not supported: see the runner)."""
+    depth."""
     from tests.test_engine_greedy import full_acceptance
 
     target, _, expected = v4
@@ -146,3 +146,13 @@ def test_v4_draft_keeps_its_own_compressed_state(v4, k, branching) -> None:
     rounds, accepted = full_acceptance(MAX_TOKENS, k or len(branching))
     s = engine.stats
     assert (s.num_rounds, s.num_accepted) == (rounds * len(PROMPTS), accepted * len(PROMPTS)), s.as_dict()
+
+
+def test_pipelined_v4_draft_rolls_its_state_back(v4) -> None:
+    """Pipelined, the draft commits predicted tokens and the engine may then take the last back (base_len below
+    the committed position): the runner undoes its last commit and keeps the head."""
+    target, _, expected = v4
+    got, engine = _generate(target, {**spec(target, 3), "pipeline": True})
+    assert got == expected
+    assert engine.pipeline is not None and engine.pipeline.stats.hits > 0
+    assert workers(engine)[1].runner.rollbacks > 0

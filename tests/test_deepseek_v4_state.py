@@ -128,3 +128,26 @@ def test_state_check_catches_fault(pair, fault: str, monkeypatch: pytest.MonkeyP
     FAULTS[fault](monkeypatch)
     with pytest.raises(AssertionError):
         run_rounds(*pair, seed=1)
+
+
+def test_undo_of_a_commit_then_partial_recommit_equals_serial(pair) -> None:
+    """What a pipelined draft needs: take back the tail of the last commit (ring rows overwritten, summaries
+    appended, across a window boundary) and keep its head."""
+    _, ours, cfg = pair
+    gen = torch.Generator().manual_seed(9)
+    base = SeqState.empty(cfg)
+    feed(ours, cfg, base, torch.randint(2, cfg.vocab_size, (13,), generator=gen).tolist(), 4)
+    parents = [-1, 0, 1, 2, 3, 4, 5, 2, 7]  # a spine of 7 (> window 3, crosses two CSA windows) and a branch
+    tokens = torch.randint(2, cfg.vocab_size, (len(parents),), generator=gen).tolist()
+    plan = cs.make_plan(cfg, base.position, parents)
+    _, scratch = ours.run([(base, plan, tokens)])
+    state = base.clone()
+    path = [0, 1, 2, 3, 4, 5, 6]
+    undo = cs.save_undo(state, plan, path)
+    cs.commit(state, plan, scratch[0], path)
+    cs.apply_undo(state, undo)
+    assert_states_close(state, base, atol=0.0)
+    cs.commit(state, plan, scratch[0], path[:4])
+    serial = base.clone()
+    feed(ours, cfg, serial, [tokens[j] for j in path[:4]], 1)
+    assert_states_close(state, serial)

@@ -68,6 +68,12 @@ class PagedRows:
                 self._view = torch.cat(self.pages)[: self.count]
         return self._view
 
+    def truncate(self, count: int) -> None:
+        """Forget the rows from ``count`` on (an undone commit's summaries)."""
+        if count < self.count:
+            self.count = count
+            self._view = None
+
     def clone(self) -> PagedRows:
         other = PagedRows(self.dim, self.dtype, self.device)
         other.pages = [p.clone() for p in self.pages]
@@ -278,3 +284,45 @@ def commit(state: SeqState, plan: TreePlan, scratch: list[LayerScratch], path: l
             if bool(on_path.any()):
                 cs.summaries.append(csc.summaries[on_path])
     state.position += len(path)
+
+
+@dataclass
+class Undo:
+    """What a commit overwrites, saved before it runs, so it can be taken back (a pipelined draft rolls back
+    tokens it had committed on a prediction). Only the rows the commit writes are saved."""
+
+    position: int
+    ring: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (slots [P], their old rows [P, D])
+    acc: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # per layer, compressor: rows, kv, gate
+    summaries: list[list[int]]  # per layer, compressor: summary count before
+
+
+def save_undo(state: SeqState, plan: TreePlan, path: list[int]) -> Undo:
+    nodes = torch.tensor(path, dtype=torch.long, device=plan.positions.device)
+    positions = plan.positions.index_select(0, nodes)
+    undo = Undo(state.position, [], [], [])
+    for st in state.layers:
+        slots = ring_slots(positions, st.ring.shape[0])
+        undo.ring.append((slots, st.ring.index_select(0, slots)))
+        accs, counts = [], []
+        for c in (st.comp, st.index):
+            if c is not None:
+                rows = positions % c.acc_kv.shape[0]
+                accs.append((rows, c.acc_kv.index_select(0, rows), c.acc_gate.index_select(0, rows)))
+                counts.append(c.summaries.count)
+        undo.acc.append(accs)
+        undo.summaries.append(counts)
+    return undo
+
+
+def apply_undo(state: SeqState, undo: Undo) -> None:
+    """Restore the state as it was before the commit ``undo`` was saved for (a slot written twice by that
+    commit saved the same old row twice, so restoring in any order is right)."""
+    for st, (slots, old), accs, counts in zip(state.layers, undo.ring, undo.acc, undo.summaries, strict=True):
+        st.ring.index_copy_(0, slots, old)
+        comps = [c for c in (st.comp, st.index) if c is not None]
+        for c, (rows, kv, gate), n in zip(comps, accs, counts, strict=True):
+            c.acc_kv.index_copy_(0, rows, kv)
+            c.acc_gate.index_copy_(0, rows, gate)
+            c.summaries.truncate(n)
+    state.position = undo.position

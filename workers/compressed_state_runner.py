@@ -9,6 +9,8 @@ onto ``workers.compressed_state``:
 - ``commit``: installs the path's rows (in-flight chain + accepted nodes) and drops the rest;
 - a draft grows its tree over several calls of one round (``new_start > 0``): each such call recomputes the
   round's earlier nodes with the new ones, so the scratch always holds the whole tree;
+- a call whose ``base_len`` is below the committed position (a pipelined draft taking back predicted tokens)
+  undoes the last commit (its overwritten rows were saved) and re-commits the part that stays;
 - a prefill chunk is never committed explicitly (with paged KV its nodes are already in place): when a
   sequence comes back with ``base_len`` past its committed position, the leading chain of its last scratch
   is installed first -- exactly what "already in place" means for the paged cache.
@@ -45,6 +47,8 @@ class CompressedStateRunner:
         self.device = torch.device(device)
         self.states: dict[int, SeqState] = {}
         self.pending: dict[int, _Pending] = {}
+        self.last_commit: dict[int, tuple[cs.Undo, _Pending, list[int]]] = {}
+        self.rollbacks = 0  # commits taken back (pipelined drafts)
 
     def _state(self, piece: SeqForward) -> SeqState:
         if not piece.block_table:
@@ -59,25 +63,39 @@ class CompressedStateRunner:
         if piece.base_len == 0:
             self.states[key] = SeqState.empty(self.config, self.device)
             self.pending.pop(key, None)
+            self.last_commit.pop(key, None)
         state = self.states.get(key)
         if state is None:
             raise ValueError(f"sequence with first block {key} has no compressed state (base_len {piece.base_len})")
+        if piece.base_len < state.position:
+            self._roll_back(key, piece.base_len)
         gap = piece.base_len - state.position
         if gap > 0:  # last call's leading chain is now committed (a prefill chunk)
             self._install(key, list(range(gap)))
         if piece.base_len != state.position:
-            # base_len below the committed position: a pipelined draft rolling back predicted tokens. Paged KV
-            # just forgets them; compressed state would need an undo of the last commit (not implemented).
             raise ValueError(f"sequence with first block {key}: base_len {piece.base_len} but {state.position} "
-                             "tokens committed (compressed state cannot be rolled back: a compressed-state "
-                             "draft cannot be pipelined)")
+                             "tokens committed")
         return state
 
     def _install(self, key: int, path: list[int]) -> None:
         pend = self.pending.pop(key, None)
         if pend is None or len(path) > pend.plan.num_nodes:
             raise ValueError(f"sequence with first block {key}: nothing in scratch to commit for {path}")
+        # Kept until the sequence's next commit: a pipelined draft may take back the tail of this one.
+        self.last_commit[key] = (cs.save_undo(self.states[key], pend.plan, path), pend, path)
         cs.commit(self.states[key], pend.plan, pend.scratch, path)
+
+    def _roll_back(self, key: int, base_len: int) -> None:
+        """Back to ``base_len`` tokens: undo the last commit, then commit again the part of it that stays.
+        (With paged KV a shorter base_len just lets the next writes overwrite; here rows were replaced.)"""
+        last = self.last_commit.pop(key, None)
+        if last is None or base_len < last[0].position:
+            raise ValueError(f"sequence with first block {key}: cannot roll back to {base_len} tokens (only the "
+                             "last commit can be taken back)")
+        undo, pend, path = last
+        self.rollbacks += 1
+        cs.apply_undo(self.states[key], undo)
+        cs.commit(self.states[key], pend.plan, pend.scratch, path[: base_len - undo.position])
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqForward]) -> torch.Tensor:
