@@ -61,10 +61,8 @@ def test_batch_of_eight_mixed_requests_with_chunked_prefill(v4) -> None:
     """Eight requests of different lengths, arriving while others run, prefilled in small chunks, chain K=4."""
     target, draft, expected = v4
     prompts = PROMPTS + [p[:3] + [40 + i] for i, p in enumerate(PROMPTS)]
-    from tests.helpers_v4 import oracle_greedy as og  # the extra four need their own reference
-
-    hf = mostly_bigram_v4(seed=3, vocab_size=128)
-    want = expected + [og(hf, p, MAX_TOKENS) for p in prompts[4:]]
+    hf = mostly_bigram_v4(seed=3, vocab_size=128)  # the fixture's target: the extra four need references
+    want = expected + [oracle_greedy(hf, p, MAX_TOKENS) for p in prompts[4:]]
     cfg = EngineConfig(target=target, speculative=SpeculativeConfig.parse(spec(draft, 4)),
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4),
                        cache=CacheConfig(block_size=4))
