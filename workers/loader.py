@@ -99,6 +99,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     "none" dequantizes everything to ``dtype``; None: "gguf" when the file is block-quantized.
     """
     path = os.fspath(path)
+    if config is None and is_deepseek_v4(path):
+        from workers.models.deepseek_v4 import load_deepseek_v4  # own config: no Llama-shaped fields
+
+        return load_deepseek_v4(path, dtype or checkpoint_dtype(path), device, tp)  # type: ignore[return-value]
     if config is None:
         config = ModelConfig.from_pretrained(path)  # clear errors for a missing dir / config.json
     quantization = resolve_quantization(path, quantization)
@@ -117,6 +121,15 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
         weights, model.quant_report = quantize_linears(model, weights)
     model.load_weights(weights)
     return model.eval()
+
+
+def is_deepseek_v4(path: str) -> bool:
+    """Whether config.json declares DeepSeek-V4 (compressed attention: its own config and state)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        return json.load(f).get("model_type") == "deepseek_v4"
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:

@@ -195,6 +195,8 @@ def _family_flags(hf: Any) -> dict[str, Any]:
         flags.update(attention_bias=True, o_proj_bias=False)  # Qwen2 hard-codes q/k/v bias, no o bias
     if model_type == "qwen3":
         flags["qk_norm"] = True
+    if model_type == "deepseek_v4":
+        return flags  # its sliding window is implemented exactly (workers/models/deepseek_v4*), no context cap
     if model_type in ("qwen2", "qwen3"):
         # transformers already drops sliding_window unless use_sliding_window; it applies to some layers only,
         # but capping the context at the window makes every layer exact.

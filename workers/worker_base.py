@@ -34,8 +34,13 @@ class WorkerBase:
                                 config=self.model_config, quantization=config.quantization)
         tp_size = self.tp.size
         mc = self.model_config
-        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,
-                                  config.num_blocks, config.block_size, dtype, self.device)
+        if getattr(self.model, "compressed_state", False):  # DeepSeek-V4: per-sequence state, no paged KV
+            from workers.compressed_state_runner import CompressedStateRunner
+
+            self.runner: ModelRunner | CompressedStateRunner = CompressedStateRunner(self.model, self.device)
+        else:
+            self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,
+                                      config.num_blocks, config.block_size, dtype, self.device)
         self._generators: dict[int, torch.Generator] = {}
 
     def generator(self, seq_id: int, spec: SamplingSpec, salt: int = 0) -> torch.Generator | None:

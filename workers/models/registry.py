@@ -11,6 +11,7 @@ from workers.attention import AttentionContext
 from workers.distributed import TPGroup
 from workers.layers import WeightSource
 from workers.model_config import ModelConfig
+from workers.models.deepseek_v4 import DeepseekV4ForCausalLM
 from workers.models.llama import LlamaForCausalLM
 
 
@@ -40,8 +41,15 @@ _ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+# Compressed-state models: their own config (``DeepseekV4ModelConfig``) and per-sequence state
+# (``workers.compressed_state``) instead of the paged KV cache; loaded by ``workers.loader.load_model``.
+COMPRESSED_STATE_ARCHITECTURES: dict[str, type[DeepseekV4ForCausalLM]] = {
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+}
+
+
 def supported_architectures() -> tuple[str, ...]:
-    return tuple(sorted(_ARCHITECTURES))
+    return tuple(sorted([*_ARCHITECTURES, *COMPRESSED_STATE_ARCHITECTURES]))
 
 
 def model_class_for(config: ModelConfig) -> type[LlamaForCausalLM]:
