@@ -25,8 +25,9 @@ ITL_MS = 20.0
 E2EL_MS = TTFT_MS + (N_OUT - 1) * ITL_MS
 TOL_MS = 5.0  # "within a few milliseconds": means and medians
 # p90..p99 of a dozen requests are about the worst one: room for one late wake-up of the client on a machine
-# whose 2 cores are shared (a few ms when idle, as in CI)
-TOL_TAIL_MS = 20.0
+# whose 2 cores are shared (a few ms when idle; 21 ms over 20 was seen at load average 10, so leave room: the
+# medians above are what catches a wrong clock)
+TOL_TAIL_MS = 40.0
 
 
 def _requests(n: int, fail_http: tuple[int, ...] = (), fail_stream: tuple[int, ...] = ()) -> list[BenchRequest]:
