@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +27,10 @@ class SubprocessServer:
     """``python -m engine.cli serve --port 0 ...``; the URL comes from its one stdout line."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout_s: float = 240.0) -> None:
-        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args]
+        # Never the user's own job store: a server a test starts keeps its batch jobs in a private folder.
+        self._data_dir = None if "--data-dir" in args else tempfile.mkdtemp(prefix="specserve-test-")
+        extra = ["--data-dir", self._data_dir] if self._data_dir else []
+        cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args, *extra]
         full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
@@ -55,6 +60,8 @@ class SubprocessServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self._data_dir:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
         return self.proc.returncode
 
 

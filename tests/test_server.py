@@ -133,6 +133,7 @@ def test_disconnect_mid_stream_frees_the_request(server) -> None:
     ({"prompt": "def f():", "logprobs": 2}, ["logprobs", "not supported"]),
     ({"prompt": "def f():", "n": 2}, ["n=1"]),
     ({"prompt": "def f():", "extra_body": {"top_k": 0.5}}, ["top_k"]),
+    ({"prompt": "def f(\ud800):"}, ["prompt", "surrogate"]),  # a lone surrogate: no UTF-8, no tokens (was a 500)
 ])
 def test_400s_name_the_field(client, kwargs, words) -> None:
     extra = kwargs.pop("extra_body", None)

@@ -88,7 +88,7 @@ class Serving:
             return list(prompt)
         if self.tokenizer is None:
             raise APIError(400, "prompt: this model has no tokenizer; send token ids instead", "prompt")
-        return self.tokenizer.encode(prompt)
+        return _encode(self.tokenizer, prompt, "prompt")
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
         tok = self.tokenizer
@@ -100,7 +100,7 @@ class Serving:
             text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (raise_exception), or a template error
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
-        return tok.encode(text, add_special_tokens=False)
+        return _encode(tok, text, "messages", add_special_tokens=False)
 
     def check_length(self, prompts: list[list[int]], max_tokens: int | None, field: str) -> None:
         limit = self.engine.max_model_len
@@ -324,3 +324,11 @@ def _json(obj: BaseModel) -> Response:
 
 def _sse(obj: BaseModel) -> bytes:
     return format_sse_event(data_str=obj.model_dump_json())
+
+
+def _encode(tok: Any, text: str, field: str, **kw: Any) -> list[int]:
+    try:
+        return tok.encode(text, **kw)
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in the JSON body) is not text a tokenizer takes
+        raise APIError(400, f"{field}: not valid Unicode text ({e.reason}); a lone surrogate escape such as "
+                            "\\ud800 has no UTF-8 encoding", field) from e
