@@ -125,7 +125,7 @@ def test_tensors_round_trip_bit_for_bit(dtype: torch.dtype) -> None:
 
 
 def test_float32_probabilities_arrive_unchanged() -> None:
-    # q must reach the verifier exactly as the draft sampled from it (DESIGN.md: a wrong q is a silent error):
+    # q must reach the verifier exactly as the draft sampled from it (docs/architecture.md: a wrong q is silent):
     # dense laws, top-k truncated laws, and i.i.d. siblings sharing one law, each bit for bit.
     q = torch.softmax(torch.randn(3, 4096, generator=torch.Generator().manual_seed(3)), dim=-1)
     top = q[1].topk(50)

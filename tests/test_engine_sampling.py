@@ -188,7 +188,7 @@ def test_speculative_output_follows_the_target_law(small_vocab, target_logits, c
 
 
 def test_the_distribution_test_has_power(small_vocab, target_logits, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A q wrong by a temperature (the silent error DESIGN.md warns about) is caught."""
+    """A q wrong by a temperature (the silent error docs/architecture.md warns about) is caught."""
     import workers.draft_worker as draft_worker
 
     target, draft = small_vocab

@@ -1,6 +1,6 @@
 """q from the draft straight to the verifier: the compact exact form of the laws the candidates were drawn from.
 
-Verification needs, for every candidate, the law it was actually drawn from (DESIGN.md). Those laws are
+Verification needs, for every candidate, the law it was actually drawn from (docs/architecture.md). Those laws are
 [nodes, vocab] float32 per tree: at vocabulary 49,152 a batch of 32 eight-node trees is 50 MB. Only the target
 rank that verifies reads them, so the draft worker hands them over directly (in-process: a shared ``LawStore``;
 Ray: a zmq PUSH from draft rank 0 to target rank 0, see engine/worker_actor.py) and the controller sends the

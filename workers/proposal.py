@@ -1,7 +1,7 @@
 """Draft side: draw a node's children and record the law each child was actually drawn from.
 
-Verification is lossless only if q_i is exactly the law x_i came from (DESIGN.md), so the draw and its law are
-produced together, here, and nowhere else:
+Verification is lossless only if q_i is exactly the law x_i came from (docs/architecture.md), so the draw and
+its law are produced together, here, and nowhere else:
 
 - IID: k independent draws from q; every child's law is q (SpecInfer's multi-step speculative sampling).
 - WITHOUT_REPLACEMENT: x_i from q with x_1..x_{i-1} removed and renormalised; that is child i's law

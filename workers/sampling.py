@@ -1,6 +1,6 @@
 """Sampling transforms and draws shared by the draft and the target.
 
-The lossless invariant (DESIGN.md) needs p and q to be the distributions tokens are *actually* drawn from, so
+The lossless invariant (docs/architecture.md) needs p and q to be the distributions tokens are *actually* drawn from, so
 both sides go through the same two functions here:
 
 - `logits_to_probs`: logits -> probabilities after every transform, in one fixed order (vLLM v1's):

@@ -1,7 +1,7 @@
 # At each node, children x_i in drawn order (q_i = the law x_i was drawn from): r := p, then for each child
 # accept x_i with prob min(1, r(x_i) / q_i(x_i)), else r := norm(max(0, r - q_i)) and try the next one.
 # No child accepted: emit a draw from r (recovered). A leaf reached: emit a draw from p (bonus).
-"""Lossless verification of a draft's candidate tree against the target's distributions (DESIGN.md).
+"""Lossless verification of a draft's candidate tree against the target's distributions (docs/architecture.md).
 
 A chain is the one-child case (Leviathan et al. 2.3 / A.1); siblings tried against the running residual are
 SpecInfer's multi-step speculative sampling (i.i.d. children) or recursive rejection sampling (children drawn
@@ -44,7 +44,7 @@ class CandidateTree:
 
     tokens: torch.Tensor  # [N] long node token ids
     parents: torch.Tensor  # [N] long, -1 = child of the root, parents[i] < i; siblings in drawn (= tried) order
-    draft_probs: torch.Tensor  # [N, V] float32, q_i: the law node i was actually drawn from (DESIGN.md)
+    draft_probs: torch.Tensor  # [N, V] float32, q_i: the law node i was actually drawn from (docs/architecture.md)
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
