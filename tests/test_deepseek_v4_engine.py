@@ -64,14 +64,14 @@ def test_batch_of_eight_mixed_requests_with_chunked_prefill(v4) -> None:
     hf = mostly_bigram_v4(seed=3, vocab_size=128)  # the fixture's target: the extra four need references
     want = expected + [oracle_greedy(hf, p, MAX_TOKENS) for p in prompts[4:]]
     cfg = EngineConfig(target=target, speculative=SpeculativeConfig.parse(spec(draft, 4)),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, block_size=4),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16),
                        cache=CacheConfig(block_size=4))
     engine = LLMEngine(cfg)
     outs: dict = {}
     for i, p in enumerate(prompts[:5]):
         engine.add_request(str(i), p, GREEDY)
     for _ in range(3):
-        outs.update({o.request_id: o for o in engine.step()})
+        outs.update({o.request_id: o for o in engine.step_finished()})
     for i, p in enumerate(prompts[5:], start=5):
         engine.add_request(str(i), p, GREEDY)
     outs.update(run_to_completion(engine))

@@ -99,7 +99,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     "none" dequantizes everything to ``dtype``; None: "gguf" when the file is block-quantized.
     """
     path = os.fspath(path)
-    if config is None and is_deepseek_v4(path):
+    if is_deepseek_v4(path):  # a ``config`` read by the caller is Llama-shaped: V4 reads its own
         from workers.models.deepseek_v4 import load_deepseek_v4  # own config: no Llama-shaped fields
 
         return load_deepseek_v4(path, dtype or checkpoint_dtype(path), device, tp)  # type: ignore[return-value]
