@@ -329,7 +329,7 @@ def test_policy_depth_and_exact_reservation() -> None:
     assert policy.depth(num_tokens=5, remaining_tokens=3) == 2  # one token is the recovered/bonus one
     assert policy.depth(num_tokens=10, remaining_tokens=10) == 2  # candidates stay inside the draft's context
     assert policy.depth(num_tokens=63, remaining_tokens=10) == 0  # the target's context is full
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=1)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
     sched = Scheduler(cfg, BlockManager(64, 1), BlockManager(64, 1), 10, policy=policy)
     a = make_req(0, 4, max_tokens=4)
     sched.add(a)
