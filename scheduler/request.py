@@ -1,8 +1,10 @@
 """Request state: one counter model per request (stdlib only).
 
 ``output_token_ids`` holds every token emitted so far. Each cache (target, draft) says how many of the
-request's tokens it has committed KV for; everything past that is *in flight*: fed to the model next round.
-A rejected candidate never enters ``output_token_ids``, so rejection is just not advancing a counter.
+request's tokens it has committed KV for (``num_cached_target`` / ``num_cached_draft``: the *committed
+length*; workers call it ``base_len``); everything past that is *in flight*: fed to the model next round.
+A rejected candidate never enters ``output_token_ids``, so rejection is just not advancing a counter. Only the
+scheduler moves the counters (``Scheduler.update_from_output``, preemption).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ class Request:
 
         A fresh request prefills its whole prompt (the last prompt position yields the first token). A request
         resumed after preemption already has outputs: everything but its last token is recomputed, and that
-        token is pending like after any round.
+        token is in flight like after any round.
         """
         return len(self.prompt_token_ids) if not self.output_token_ids else self.num_tokens - 1
 

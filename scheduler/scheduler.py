@@ -29,7 +29,7 @@ from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_policy import SpecPolicy
 
 
-class RoundResult(Protocol):
+class VerifiedRound(Protocol):
     """What the scheduler reads of a verified round (workers/messages.py ``VerifyResult``)."""
 
     accepted_nodes: list[int]
@@ -237,7 +237,7 @@ class Scheduler:
         elif req in self.waiting:  # aborted before it ran (or while preempted)
             self.waiting.remove(req)
 
-    def update_from_output(self, batch: ScheduledBatch, results: Sequence[RoundResult], num_drafted: Sequence[int],
+    def update_from_output(self, batch: ScheduledBatch, results: Sequence[VerifiedRound], num_drafted: Sequence[int],
                            num_cached_draft: Mapping[int, int]) -> None:
         """Apply one step's results, before its tokens are emitted (results: one per round, in order).
 

@@ -255,3 +255,21 @@ def test_no_drafting_past_the_drafts_context(llama, llama_expected, tmp_path, pi
     s = engine.stats
     assert (s.num_rounds, s.num_accepted) == (rounds, accepted), s.as_dict()
     assert s.num_plain_rounds > 0
+
+
+def test_one_round_definition_for_request_and_aggregate_stats(llama) -> None:
+    """Per-request and aggregate statistics count the same rounds (plain decode rounds apart), and split the
+    last token of a round into bonus and recovered."""
+    llm = LLM(llama.target, spec(llama.perturbed, None, [2, 1]))
+    outs = llm.generate(PROMPTS, GREEDY)
+    agg = llm.engine.stats.as_dict()
+    for key in ("rounds", "plain_decode_rounds", "drafted_tokens", "accepted_tokens", "bonus_tokens",
+                "recovered_tokens"):
+        assert agg[key] == sum(o.metrics[key] for o in outs), key
+    assert agg["rounds"] == agg["bonus_tokens"] + agg["recovered_tokens"]
+    assert agg["bonus_tokens"] > 0 and agg["recovered_tokens"] > 0, agg
+    assert agg["plain_decode_rounds"] > 0  # the last token of each request has nothing left to draft
+    emitted = sum(o.metrics["mean_acceptance_length"] * o.metrics["rounds"] for o in outs)  # rounded per request
+    assert agg["mean_acceptance_length"] == pytest.approx(emitted / agg["rounds"], abs=1e-3)
+    assert agg["nodes_per_round"] <= 4 and agg["acceptance_rate"] == round(
+        agg["accepted_tokens"] / agg["drafted_tokens"], 4)

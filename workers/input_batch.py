@@ -3,10 +3,11 @@
 Every kind of forward is the same thing seen this way:
 
 - prefill (a chunk of the prompt): the chunk is a chain of scratch nodes, all committed afterwards;
-- decode without speculation: one scratch node (the pending token);
-- target verification: the pending token followed by the candidate tree, one pass;
-- draft proposal: the draft's uncached tokens, then the tree one depth at a time (earlier depths of this
-  round are already in the scratch pad; ``new_start`` says where this call's nodes begin).
+- decode without speculation: one scratch node (the in-flight token);
+- target verification: the in-flight token(s) followed by the candidate tree, one pass;
+- draft proposal: the draft's in-flight tokens (all it has not cached), then the tree one depth at a time
+  (earlier depths of this round are already in the scratch pad; ``new_start`` says where this call's nodes
+  begin).
 
 Scratch node ``j`` of a sequence lives at the slot of position ``base_len + j`` in its block table, its RoPE
 position is ``base_len + depth(j)``, and it attends to the committed prefix plus its own ancestors and itself.

@@ -3,7 +3,8 @@
 ``RayExecutor.echo`` sends a realistic TargetStep to the target's ranks, which decode it and answer a
 TargetStepOutput of the same shape without running the model: what is left is the per-round cost of the
 transport (encode, send, worker decode, reply encode, receive, decode). Batch B of VerifySeqs, each with a
-5-node candidate tree; greedy requests carry no q, sampled ones a [5, V] float32 q (V = 4096 by default).
+5-node candidate tree, all ints: a sampled request's q goes from the draft to the verifier directly and is
+named here by its tree id only (engine/benchmarks/round_bytes.py measures the bytes of a whole round).
 The two transports of one TP size run at the same time and take turns in blocks, so a machine whose load
 changes during the run treats them alike.
 
@@ -31,16 +32,13 @@ TRANSPORTS = ("zmq", "ray")
 
 
 def make_step(batch: int, sampled: bool, vocab: int) -> TargetStep:
-    import torch
 
     spec = SamplingSpec(temperature=0.8 if sampled else 0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=12345)
-    gen = torch.Generator().manual_seed(batch)
     seqs = []
     for i in range(batch):
-        q = torch.softmax(torch.randn(len(TREE_PARENTS), vocab, generator=gen), dim=-1) if sampled else None
         seqs.append(VerifySeq(seq_id=i, block_table=list(range(8 * i, 8 * i + 8)), base_len=117, token_ids=[42],
                               tree_tokens=[11 + i, 12, 13, 14, 15], tree_parents=TREE_PARENTS, sampling=spec,
-                              draft_probs=q))
+                              tree_id=i if sampled else -1))
     return TargetStep(seqs=seqs)
 
 
