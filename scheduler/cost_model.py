@@ -1,0 +1,122 @@
+"""The measured cost of a step, for the adaptive speculation policy (stdlib only).
+
+A step costs ``draft + verify + state`` seconds (engine/metrics.py ``StepTimes`` splits the wall time the same
+way). Each part is a measured curve, not an assumed formula:
+
+- ``verify``: seconds of the target call vs the tokens it forwards (in-flight tokens + tree nodes + prefill);
+  flat while the target is memory-bound, rising once the batch fills the compute units;
+- ``draft``: seconds of one draft forward vs the tokens it carries; a round of depth D costs D forwards, the
+  f-th one over the requests still deeper than f (a chain of K forwards its in-flight tokens, then levels
+  1..K-1; the deepest level is never forwarded);
+- ``state``: the controller's own time per step (schedule, commit, emit) vs the number of requests.
+
+A ``Curve`` keeps an exponentially weighted mean per log2-bucket of its argument and interpolates between
+buckets (extrapolating with the slope of the nearest two), so it follows the real shape of the machine and
+forgets old measurements (another load, a warmer cache). The engine feeds it every step's measured times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Point:
+    x: float  # weighted mean argument in this bucket
+    y: float  # weighted mean seconds
+    step: int  # when it was last updated
+
+
+@dataclass
+class Curve:
+    """Seconds vs a size (tokens, requests): EW means per log2 bucket, piecewise-linear in between."""
+
+    decay: float = 0.2  # weight of a new measurement in its bucket
+    points: dict[int, _Point] = field(default_factory=dict)
+    clock: int = 0
+    _sorted: list[tuple[float, float]] | None = field(default=None, repr=False)  # cache of the points by x
+
+    @staticmethod
+    def bucket(x: float) -> int:
+        return 0 if x <= 1 else round(2 * math.log2(x))  # half-octave buckets
+
+    def observe(self, x: float, seconds: float) -> None:
+        if x <= 0 or seconds < 0 or not math.isfinite(seconds):
+            return
+        self.clock += 1
+        self._sorted = None
+        b = self.bucket(x)
+        p = self.points.get(b)
+        if p is None:
+            self.points[b] = _Point(float(x), seconds, self.clock)
+            return
+        a = self.decay
+        p.x += a * (x - p.x)
+        p.y += a * (seconds - p.y)
+        p.step = self.clock
+
+    def age(self, x: float) -> int | None:
+        """Observations since the bucket of ``x`` was last measured; None if never."""
+        p = self.points.get(self.bucket(x))
+        return None if p is None else self.clock - p.step
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.points)
+
+    def __call__(self, x: float) -> float:
+        """Predicted seconds at ``x`` (0 for x <= 0)."""
+        if x <= 0 or not self.points:
+            return 0.0
+        if self._sorted is None:
+            self._sorted = sorted((p.x, p.y) for p in self.points.values())
+        pts = self._sorted
+        if len(pts) == 1:
+            x0, y0 = pts[0]
+            return y0 * max(1.0, x / x0) if x > x0 else y0  # one point: flat below, proportional above
+        if x <= pts[0][0]:
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+            return max(0.0, y0 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (x - x0))
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if x <= x1:
+                return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (x - x1)  # never cheaper beyond the last point
+
+
+@dataclass
+class StepSample:
+    """One step as measured by the engine: what it ran and how long each part took (wall seconds)."""
+
+    verify_tokens: int  # tokens the target forwarded (prefill chunks + in-flight + tree nodes)
+    verify_s: float
+    draft_forward_tokens: list[int]  # tokens of each draft forward of the rounds (empty: nothing drafted)
+    draft_s: float  # draft time the controller waited for (pipelining hides the rest)
+    draft_prefill: bool  # the draft call also prefilled prompt chunks (its time is not only the forwards)
+    num_seqs: int  # requests in the step
+    state_s: float  # controller time: schedule + commit/emit
+
+
+@dataclass
+class CostModel:
+    verify: Curve = field(default_factory=Curve)
+    draft: Curve = field(default_factory=Curve)  # one forward
+    state: Curve = field(default_factory=Curve)
+
+    @property
+    def ready(self) -> bool:
+        """Enough measured to compare plans: the target at two sizes and a draft forward."""
+        return len(self.verify.points) >= 2 and self.draft.ready
+
+    def observe(self, s: StepSample) -> None:
+        self.verify.observe(s.verify_tokens, s.verify_s)
+        fwd = [n for n in s.draft_forward_tokens if n > 0]
+        if fwd and not s.draft_prefill:
+            # The forwards of one call cannot be timed apart: charge each the mean, at its mean size.
+            self.draft.observe(sum(fwd) / len(fwd), s.draft_s / len(fwd))
+        self.state.observe(s.num_seqs, s.state_s)
+
+    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:
+        return (self.verify(verify_tokens) + sum(self.draft(n) for n in draft_forward_tokens if n > 0)
+                + self.state(num_seqs))
