@@ -81,9 +81,11 @@ def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
                                 seed=5, num_hidden_layers=1, with_tokenizer=True)
 
 
-def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid") -> dict:
-    """A speculative_config dict: a chain of ``k`` tokens, or a tree with ``branching`` (k = its depth)."""
-    cfg: dict = {"method": "draft_model", "model": draft, "tree_sampling": sampling}
+def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid",
+         adaptive: bool = False) -> dict:
+    """A speculative_config dict: a chain of ``k`` tokens, or a tree with ``branching`` (k = its depth). The
+    depth is fixed (tests count rounds of that depth) unless ``adaptive``, where it is the policy's maximum."""
+    cfg: dict = {"method": "draft_model", "model": draft, "tree_sampling": sampling, "adaptive": adaptive}
     if branching is not None:
         cfg["tree_branching"] = list(branching)
         cfg["num_speculative_tokens"] = len(branching)
