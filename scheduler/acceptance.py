@@ -74,12 +74,15 @@ class AcceptanceTracker:
         tree = self._counts(self._engine, (greedy, True), self.engine_decay)
         return [tree.rate(j, 1 - (1 - rates[j]) ** widths[j], self.prior_weight) for j in range(depth)]
 
-    def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None) -> list[float]:
-        """A request's per-position rates: its own rounds, shrunk towards the engine's."""
-        prior = self.engine_rates(greedy, depth, widths)
+    def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,
+              prior: list[float] | None = None) -> list[float]:
+        """A request's per-position rates: its own rounds, shrunk towards the engine's (``prior``: those rates,
+        when the caller already has them)."""
+        if prior is None or len(prior) < depth:
+            prior = self.engine_rates(greedy, depth, widths)
         own = self._requests.get((seq_id, widths is not None))
         if own is None:
-            return prior
+            return prior[:depth]
         return [own.rate(j, prior[j], self.prior_weight) for j in range(depth)]
 
     def tree_rounds(self, greedy: bool) -> float:

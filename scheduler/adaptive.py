@@ -92,7 +92,9 @@ class AdaptivePolicy:
         self._last.pop(seq_id, None)
 
     def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
-        rs = [self._view(r) for r in reqs]
+        k = self.base.tree.depth
+        priors = {g: self.acceptance.engine_rates(g, k) for g in (False, True)}
+        rs = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: r.cap] for r in rs]
         if not rs or not self.cost.ready:
             return fixed  # nothing measured yet: the configured depth, which measures both curves
@@ -112,10 +114,11 @@ class AdaptivePolicy:
         return best.shapes
 
     # --------------------------------------------------------------------------------------------- the plan
-    def _view(self, r: Request) -> _Req:
+    def _view(self, r: Request, prior: list[float]) -> _Req:
         cap = self.base.cap(r)
         return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target),
-                    max(1, r.num_tokens - r.num_cached_draft), self.acceptance.rates(r.seq_id, r.params.greedy, cap))
+                    max(1, r.num_tokens - r.num_cached_draft),
+                    self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior))
 
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
         """Expected tokens and predicted seconds of a step running these shapes."""
@@ -150,27 +153,25 @@ class AdaptivePolicy:
         forwards: list[int] = []
         verify = sum(r.inflight for r in rs)
         tokens = float(len(rs))
-        draft_s = 0.0
         fixed_s = self.cost.state(len(rs))
-
-        def seconds() -> float:
-            return self.cost.verify(verify) + draft_s + fixed_s
-
-        best_n, best_rate = 0, tokens / seconds()
+        verify_cost, draft_cost = self.cost.verify, self.cost.draft
+        best_n, best_rate = 0, tokens / (verify_cost(verify) + fixed_s)
+        # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
+        stride = max(1, -(-len(cands) // 32))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
-            if depths[i] != j:  # values are non-increasing along a chain, so this never happens but on ties
-                continue
-            depths[i] = j + 1
+            depths[i] = j + 1  # values never increase along a chain, and ties sort by depth: j == depths[i]
             tokens -= neg_value
             verify += 1
             if len(forwards) <= j:
                 forwards.append(0)
-            old = forwards[j]
             forwards[j] += rs[i].lag if j == 0 else 1
-            draft_s += self.cost.draft(forwards[j]) - (self.cost.draft(old) if old else 0.0)
-            rate = tokens / seconds()
+            if n % stride and n != len(cands):
+                continue
+            rate = tokens / (verify_cost(verify) + sum(draft_cost(f) for f in forwards) + fixed_s)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+            elif rate < 0.8 * best_rate:  # gains shrink and costs grow from here on: it will not recover
+                break
         depths = [0] * len(rs)
         for _, j, i in cands[:best_n]:
             depths[i] = max(depths[i], j + 1)

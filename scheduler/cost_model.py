@@ -17,6 +17,7 @@ forgets old measurements (another load, a warmer cache). The engine feeds it eve
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ class Curve:
     decay: float = 0.2  # weight of a new measurement in its bucket
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
-    _sorted: list[tuple[float, float]] | None = field(default=None, repr=False)  # cache of the points by x
+    _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
 
     @staticmethod
     def bucket(x: float) -> int:
@@ -70,19 +71,20 @@ class Curve:
         if x <= 0 or not self.points:
             return 0.0
         if self._sorted is None:
-            self._sorted = sorted((p.x, p.y) for p in self.points.values())
-        pts = self._sorted
-        if len(pts) == 1:
-            x0, y0 = pts[0]
-            return y0 * max(1.0, x / x0) if x > x0 else y0  # one point: flat below, proportional above
-        if x <= pts[0][0]:
-            (x0, y0), (x1, y1) = pts[0], pts[1]
-            return max(0.0, y0 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (x - x0))
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-            if x <= x1:
-                return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
-        (x0, y0), (x1, y1) = pts[-2], pts[-1]
-        return y1 + max(0.0, (y1 - y0) / max(x1 - x0, 1e-9)) * (x - x1)  # never cheaper beyond the last point
+            pts = sorted((p.x, p.y) for p in self.points.values())
+            self._sorted = ([p[0] for p in pts], [p[1] for p in pts])
+        xs, ys = self._sorted
+        if len(xs) == 1:
+            return ys[0] * max(1.0, x / xs[0])  # one point: flat below, proportional above
+        i = bisect.bisect_left(xs, x)
+        if i == 0:  # below the first point: its slope down, but no cheaper than proportional to x
+            slope = max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9))
+            return max(ys[0] * x / xs[0], ys[0] + slope * (x - xs[0]))
+        if i == len(xs):  # past the last point: never cheaper than there
+            slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
+            return ys[-1] + slope * (x - xs[-1])
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
 
 
 @dataclass
