@@ -142,8 +142,9 @@ class PipelinedDrafter:
             # shorter chain); otherwise the round is re-drafted at the shape the scheduler reserved.
             if ready is not None and ready[1][: len(shape)] == tuple(shape):
                 trees[r.seq_id] = prune(ready[0], len(shape))
-            else:
-                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))
+            else:  # the draft may hold every token already (a prediction came true, its tree did not fit the
+                #      shape): re-feed the last one, harmless (same KV), so the tree has a row to grow from
+                msg.seqs.append(self.calls.seq(r, min(r.num_cached_draft, r.num_tokens - 1), list(shape)))
         if msg.seqs or msg.prefills or msg.commits or msg.finished:
             out = self.calls.run(msg)
             self.stats.draft_busy_s += out.elapsed_s

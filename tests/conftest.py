@@ -185,3 +185,26 @@ def _process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited: only its entry remains
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def random_plans(monkeypatch, seed: int = 0) -> None:
+    """The adaptive policy's own plan, then overridden by random shapes from its menu (chains 0..cap, the
+    configured tree): depths change per request and per step far more than any measured policy would."""
+    import random
+
+    from scheduler.adaptive import AdaptivePolicy
+
+    rng = random.Random(seed)
+    real = AdaptivePolicy.plan
+
+    def plan(self, reqs):
+        real(self, reqs)  # keeps its bookkeeping exercised
+        tree = self.base.tree.branching
+        out = []
+        for r in reqs:
+            cap = self.base.cap(r)
+            menu = [(1,) * d for d in range(cap + 1)] + [tree[:cap]]
+            out.append(rng.choice(menu))
+        return out
+
+    monkeypatch.setattr(AdaptivePolicy, "plan", plan)

@@ -16,7 +16,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import run_to_completion, spec
+from tests.conftest import random_plans, run_to_completion, spec
 
 MAX_TOKENS = 32
 PROMPTS = [[1], [1, 17, 44, 9, 83], [1] + list(range(20, 32)), [1] + [(7 * i) % 120 + 3 for i in range(29)]]
@@ -255,3 +255,21 @@ def test_no_drafting_past_the_drafts_context(llama, llama_expected, tmp_path, pi
     s = engine.stats
     assert (s.num_rounds, s.num_accepted) == (rounds, accepted), s.as_dict()
     assert s.num_plain_rounds > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("shape", ["chain5", "tree221"])
+def test_adaptive_depths_keep_greedy_output(family, shape: str, pipeline: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive on (the measured policy), then random depths and shapes every step: the output is the
+    target's greedy output either way."""
+    models, expected = family
+    k, branching = SHAPES[shape]
+    cfg = {**spec(models.perturbed, k, branching, adaptive=True), "pipeline": pipeline}
+    got, engine = _generate(models.target, cfg)
+    assert got == expected
+    assert sum(engine.stats.chosen_depths.values()) > 0
+    random_plans(monkeypatch)
+    got, engine = _generate(models.target, cfg)
+    assert got == expected
+    assert len(engine.stats.chosen_depths) >= 3, engine.stats.chosen_depths  # the depth really changed
