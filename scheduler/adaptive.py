@@ -116,8 +116,9 @@ class AdaptivePolicy:
     # --------------------------------------------------------------------------------------------- the plan
     def _view(self, r: Request, prior: list[float]) -> _Req:
         cap = self.base.cap(r)
-        return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target),
-                    max(1, r.num_tokens - r.num_cached_draft),
+        # The draft's catch-up after plain rounds is paid once, not every round: price one in-flight token, or a
+        # request that stopped speculating would look ever dearer to restart.
+        return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target), 1,
                     self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior))
 
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:

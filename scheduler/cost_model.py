@@ -33,14 +33,14 @@ class _Point:
 class Curve:
     """Seconds vs a size (tokens, requests): EW means per log2 bucket, piecewise-linear in between."""
 
-    decay: float = 0.2  # weight of a new measurement in its bucket
+    decay: float = 0.1  # weight of a new measurement in its bucket (~10 steps: CPU step times are noisy)
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
 
     @staticmethod
     def bucket(x: float) -> int:
-        return 0 if x <= 1 else round(2 * math.log2(x))  # half-octave buckets
+        return 0 if x <= 1 else round(math.log2(x))  # octaves: finer buckets only measure noise more often
 
     def observe(self, x: float, seconds: float) -> None:
         if x <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -72,7 +72,7 @@ class Curve:
             return 0.0
         if self._sorted is None:
             pts = sorted((p.x, p.y) for p in self.points.values())
-            self._sorted = ([p[0] for p in pts], [p[1] for p in pts])
+            self._sorted = ([p[0] for p in pts], monotone([p[1] for p in pts]))
         xs, ys = self._sorted
         if len(xs) == 1:
             return ys[0] * max(1.0, x / xs[0])  # one point: flat below, proportional above
@@ -85,6 +85,18 @@ class Curve:
             return ys[-1] + slope * (x - xs[-1])
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): more tokens never take less time, so a
+    noisy bucket that measured cheaper than a smaller one is averaged with it instead of inventing a dip."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 @dataclass
