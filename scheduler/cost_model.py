@@ -52,7 +52,9 @@ class Curve:
         if p is None:
             self.points[b] = _Point(float(x), seconds, self.clock)
             return
-        a = self.decay
+        # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
+        # after a long gap (an exploration step) replaces its stale value instead of nudging it.
+        a = 1.0 - (1.0 - self.decay) ** (self.clock - p.step)
         p.x += a * (x - p.x)
         p.y += a * (seconds - p.y)
         p.step = self.clock
