@@ -63,12 +63,16 @@ class _Plan:
 @dataclass
 class AdaptivePolicy:
     base: SpecPolicy  # the configured tree (K_max = its depth) and the context caps
-    cost: CostModel = field(default_factory=CostModel)
+    cost: CostModel = field(default_factory=CostModel)  # steps of greedy requests only
+    # Steps with sampled requests cost more per node (their draft laws travel to the verifier, and verification
+    # samples residuals): their own curves, used once measured (the greedy ones until then).
+    sampled_cost: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
     explore_every: int = 64  # steps before a size the policy does not use is measured again
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     explored_steps: int = 0
+    _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
@@ -85,7 +89,12 @@ class AdaptivePolicy:
         self.acceptance.observe(req.seq_id, req.params.greedy, tree, len(branching), num_accepted)
 
     def observe_step(self, sample: StepSample) -> None:
-        self.cost.observe(sample)
+        (self.sampled_cost if sample.sampled else self.cost).observe(sample)
+
+    def _regime_cost(self, rs: Sequence[_Req]) -> CostModel:
+        if any(not r.greedy for r in rs) and self.sampled_cost.ready:
+            return self.sampled_cost
+        return self.cost
 
     def forget(self, seq_id: int) -> None:
         self.acceptance.forget(seq_id)
@@ -96,7 +105,8 @@ class AdaptivePolicy:
         priors = {g: self.acceptance.engine_rates(g, k) for g in (False, True)}
         rs = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: r.cap] for r in rs]
-        if not rs or not self.cost.ready:
+        self._cost = self._regime_cost(rs)
+        if not rs or not self._cost.ready:
             return fixed  # nothing measured yet: the configured depth, which measures both curves
         best = self.best_chains(rs)
         tree = self._tree_plan(rs)
@@ -123,6 +133,8 @@ class AdaptivePolicy:
 
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
         """Expected tokens and predicted seconds of a step running these shapes."""
+        if self._cost is None:
+            self._cost = self._regime_cost(rs)
         tokens = 0.0
         verify = 0
         forwards: list[int] = []
@@ -139,10 +151,12 @@ class AdaptivePolicy:
                 forwards[f] += r.lag if f == 0 else level  # forward f carries level f, making level f + 1
                 level *= shape[f]
                 verify += level
-        return _Plan(list(shapes), tokens, self.cost.step_seconds(verify, forwards, len(rs)))
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(rs)))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
         """The best prefix of all chain candidates ordered by value (reached-and-accepted probability)."""
+        if self._cost is None:
+            self._cost = self._regime_cost(rs)
         cands: list[tuple[float, int, int]] = []  # (-value, depth, request index)
         for i, r in enumerate(rs):
             p = 1.0
@@ -154,8 +168,8 @@ class AdaptivePolicy:
         forwards: list[int] = []
         verify = sum(r.inflight for r in rs)
         tokens = float(len(rs))
-        fixed_s = self.cost.state(len(rs))
-        verify_cost, draft_cost = self.cost.verify, self.cost.draft
+        fixed_s = self._cost.state(len(rs))
+        verify_cost, draft_cost = self._cost.verify, self._cost.draft
         best_n, best_rate = 0, tokens / (verify_cost(verify) + fixed_s)
         # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
         stride = max(1, -(-len(cands) // 32))
@@ -202,5 +216,5 @@ class AdaptivePolicy:
         if other == chosen:
             return None
         tokens = sum(r.inflight for r in rs) + sum(self.base.num_nodes(len(s)) for s in other)
-        age = self.cost.verify.age(tokens)
+        age = self._cost.verify.age(tokens)
         return other if age is None or age >= self.explore_every else None

@@ -112,6 +112,7 @@ class StepSample:
     draft_prefill: bool  # the draft call also prefilled prompt chunks (its time is not only the forwards)
     num_seqs: int  # requests in the step
     state_s: float  # controller time: schedule + commit/emit
+    sampled: bool = False  # some round sampled (temperature > 0): laws travel, residuals are sampled
 
 
 @dataclass

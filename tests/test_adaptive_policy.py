@@ -203,3 +203,14 @@ def test_a_noisy_dip_does_not_make_more_tokens_cheaper() -> None:
     ys = [c(x) for x in (1, 2, 3, 4, 8, 16, 32, 64)]
     assert ys == sorted(ys)
     assert monotone([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
+
+
+def test_sampled_steps_are_priced_with_their_own_curves() -> None:
+    """Greedy steps measured memory-bound, sampled steps (laws travel, residuals sampled) compute-bound."""
+    p = policy(costs(**MEMORY_BOUND))
+    p.sampled_cost = costs(**COMPUTE_BOUND)
+    greedy, sampled = requests(4), requests(4, greedy=False, start=10)
+    for r in greedy + sampled:
+        teach(p, r, 0.85, seed=r.seq_id)
+    assert p.plan(greedy) == [(1,) * K_MAX] * 4
+    assert p.plan(sampled) == [()] * 4
