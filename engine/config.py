@@ -46,7 +46,12 @@ class SpeculativeConfig:
     - ``quantization``: a GGUF draft's weights: "gguf" (packed 4-bit) or "none"; default: by the file;
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
-      ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted).
+      ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted);
+    - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
+      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
+      ``num_speculative_tokens``) until measurements show the policy at least matching the best fixed depth;
+    - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
+      ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
     """
 
     model: str
@@ -59,6 +64,8 @@ class SpeculativeConfig:
     pipeline: bool = False
     pipeline_width: int = 2
     quantization: str | None = None
+    adaptive: bool | None = None  # None: off (opt-in while it measures slower than a fixed depth at batch 1)
+    num_speculative_tokens_per_batch_size: dict | list | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -83,10 +90,48 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.pipeline_width must be an integer in [0, 8], got {w!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"speculative_config.pipeline must be true or false, got {self.pipeline!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            _ = self.batch_size_schedule  # validates the table
+            if self.adaptive:
+                raise ValueError("speculative_config.num_speculative_tokens_per_batch_size is a fixed schedule: "
+                                 "it cannot be combined with adaptive=true")
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    @property
+    def is_adaptive(self) -> bool:
+        return bool(self.adaptive)
+
+    @property
+    def batch_size_schedule(self) -> tuple[tuple[int, int], ...] | None:
+        """``num_speculative_tokens_per_batch_size`` as ascending (batch size, depth) pairs; None when unset."""
+        table = self.num_speculative_tokens_per_batch_size
+        if table is None:
+            return None
+        name, k = "speculative_config.num_speculative_tokens_per_batch_size", self.num_speculative_tokens
+        if isinstance(table, dict):
+            items = list(table.items())
+        elif isinstance(table, (list, tuple)) and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in table):
+            items = [tuple(e) for e in table]
+        else:
+            raise ValueError(f"{name} must map batch sizes to depths, e.g. {{\"1\": {k}, \"32\": 0}}, got {table!r}")
+        pairs = []
+        for size, depth in items:
+            ok = not isinstance(size, bool) and (isinstance(size, int) or (isinstance(size, str) and size.isdigit()))
+            size = int(size) if ok else 0
+            if size < 1:
+                raise ValueError(f"{name}: batch sizes must be integers >= 1, got {table!r}")
+            if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= k:
+                raise ValueError(f"{name}: depths must be integers in [0, num_speculative_tokens={k}], "
+                                 f"got {depth!r} for batch size {size}")
+            pairs.append((size, depth))
+        if not pairs or len({s for s, _ in pairs}) != len(pairs):
+            raise ValueError(f"{name} must have at least one entry and no batch size twice, got {table!r}")
+        return tuple(sorted(pairs))
 
     @property
     def draft_scratch_nodes(self) -> int:

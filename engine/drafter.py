@@ -110,7 +110,6 @@ class SequentialDrafter:
     """
 
     calls: DraftCalls
-    branching: tuple[int, ...]
     _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
 
@@ -120,9 +119,9 @@ class SequentialDrafter:
         self._inflight.clear()
         msg = DraftStep(commits=list(self._commits.values()), finished=gone, prefills=self.calls.prefills(batch))
         self._commits.clear()
-        for r, depth in zip(batch.rounds, batch.depths, strict=True):
-            if depth > 0:
-                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(self.branching[:depth])))
+        for r, shape in zip(batch.rounds, batch.shapes, strict=True):
+            if shape:  # the scheduler's policy chose this round's branching
+                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))
                 self._inflight[r.seq_id] = (r.num_cached_draft, r.num_tokens - r.num_cached_draft)
         trees = {res.seq_id: res.trees[0] for res in self.calls.run(msg).results}
         return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]

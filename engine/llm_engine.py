@@ -24,12 +24,14 @@ from engine.outputs import RequestDelta, RequestOutput
 from engine.pipelined_drafter import PipelinedDrafter
 from engine.recovery import Recovery
 from engine.stopping import StopChecker
+from scheduler.adaptive import AdaptivePolicy
 from scheduler.block_manager import BlockManager
+from scheduler.cost_model import StepSample
 from scheduler.request import FinishReason, Request
 from scheduler.reset import draft_refilled, requeue_all
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy
 from workers.loader import load_tokenizer
 from workers.messages import DraftStep, DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
 from workers.model_config import ModelConfig
@@ -82,7 +84,14 @@ class LLMEngine:
                                       draft_cfg)
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
-        policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len) if self.tree is not None else None
+        policy = None
+        if spec is not None:
+            policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len)
+            if spec.batch_size_schedule is not None:
+                policy = BatchSizeSchedule(self.tree, self.max_model_len, self.draft_max_len,
+                                           spec.batch_size_schedule)
+            elif spec.is_adaptive:
+                policy = AdaptivePolicy(policy)
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
@@ -112,7 +121,7 @@ class LLMEngine:
         if spec.pipeline:
             self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
             return self.pipeline
-        return SequentialDrafter(calls, self.tree.branching)
+        return SequentialDrafter(calls)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -253,10 +262,12 @@ class LLMEngine:
         return self._finished_outputs
 
     def _step(self) -> None:
+        before = dataclasses.replace(self.times)
         clock = self.times.clock()
         batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
+        sample = self._step_shape(batch)  # what the step runs, read before the counters move
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
@@ -268,10 +279,34 @@ class LLMEngine:
         clock.lap("collect_s")
         drafted = [t.num_nodes for t in trees]
         self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
-        for n, res in zip(drafted, out.results, strict=True):
+        for n, res, shape in zip(drafted, out.results, batch.shapes, strict=True):
             self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
+            self.stats.record_choice(shape if n else ())
         self._emit_step(batch, out)  # emit
         clock.lap("commit_s")
+        if self.scheduler.policy is not None:  # the adaptive policy's cost model learns the measured times
+            t = self.times
+            sample.verify_s = t.verify_wall_s - before.verify_wall_s
+            sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
+            sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
+            self.scheduler.policy.observe_step(sample)
+
+    @staticmethod
+    def _step_shape(batch: ScheduledBatch) -> StepSample:
+        """Tokens of the step's target forward and of each draft forward (times filled in after the step)."""
+        verify = sum(c.end - c.start for c in batch.prefills)
+        forwards: list[int] = []
+        for r, shape in zip(batch.rounds, batch.shapes, strict=True):
+            level = 1
+            verify += r.num_tokens - r.num_cached_target
+            for f, w in enumerate(shape):  # as scheduler/adaptive.py prices it
+                if len(forwards) <= f:
+                    forwards.append(0)
+                forwards[f] += max(1, r.num_tokens - r.num_cached_draft) if f == 0 else level
+                level *= w
+                verify += level
+        return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
+                          0.0, sampled=any(not r.params.greedy for r in batch.rounds))
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables

@@ -3,14 +3,31 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.request import RoundStats
 
 
 @dataclass
 class SpecDecodingStats(RoundStats):
-    """Aggregate over every request: the same round definition and fields as a request's own statistics."""
+    """Aggregate over every request: the same round definition and fields as a request's own statistics, plus
+    the distribution of the speculation policy's choices (rounds per depth; "tree:2x1" for a tree shape)."""
+
+    chosen_depths: dict[str, int] = field(default_factory=dict)
+
+    def record_choice(self, branching: tuple[int, ...]) -> None:
+        key = f"tree:{'x'.join(map(str, branching))}" if any(w > 1 for w in branching) else str(len(branching))
+        self.chosen_depths[key] = self.chosen_depths.get(key, 0) + 1
+
+    @property
+    def mean_chosen_depth(self) -> float:
+        n = sum(self.chosen_depths.values())
+        return sum(int(k) * v for k, v in self.chosen_depths.items() if k.isdigit()) / n if n else 0.0
+
+    def as_dict(self) -> dict:
+        order = sorted(self.chosen_depths, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+        return {**super().as_dict(), "chosen_depths": {k: self.chosen_depths[k] for k in order},
+                "mean_chosen_depth": round(self.mean_chosen_depth, 4)}
 
 
 @dataclass

@@ -66,6 +66,7 @@ class PipelineStats:
 class _PreDraft:
     base_len: int  # draft KV committed before the in-flight chain
     chain: list[int]  # in-flight tokens at pre-draft time
+    branching: tuple[int, ...]  # of the pre-drafted trees
     result: DraftResult | None = None
 
 
@@ -115,7 +116,8 @@ class PipelinedDrafter:
     acceptance: SpecDecodingStats  # measured acceptance, read to rank the predicted outcomes
     width: int = 2  # predicted outcomes pre-drafted per request
     stats: PipelineStats = field(default_factory=PipelineStats)
-    _ready: dict[int, DraftTree] = field(default_factory=dict)  # seq_id -> next round's tree (a hit)
+    _ready: dict[int, tuple[DraftTree, tuple[int, ...]]] = field(default_factory=dict)  # seq_id -> next round's
+    #                                                                     tree (a hit) and its branching
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # draft KV to keep, sent with the next call
     _inflight: dict[int, _PreDraft] = field(default_factory=dict)
     _t_submit: float = 0.0
@@ -132,14 +134,17 @@ class PipelinedDrafter:
             self._inflight.pop(s, None)
         trees: dict[int, DraftTree] = {}
         msg = DraftStep(commits=self._take_commits(), finished=gone, prefills=self.calls.prefills(batch))
-        for r, depth in zip(batch.rounds, batch.depths, strict=True):
+        for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             ready = self._ready.pop(r.seq_id, None)
-            if depth == 0:
+            if not shape:
                 continue
-            if ready is not None:
-                trees[r.seq_id] = prune(ready, depth)
-            else:
-                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(self.tree.branching[:depth])))
+            # A pre-drafted tree serves if the policy's shape is its top levels (a chain of K_max serves every
+            # shorter chain); otherwise the round is re-drafted at the shape the scheduler reserved.
+            if ready is not None and ready[1][: len(shape)] == tuple(shape):
+                trees[r.seq_id] = prune(ready[0], len(shape))
+            else:  # the draft may hold every token already (a prediction came true, its tree did not fit the
+                #      shape): re-feed the last one, harmless (same KV), so the tree has a row to grow from
+                msg.seqs.append(self.calls.seq(r, min(r.num_cached_draft, r.num_tokens - 1), list(shape)))
         if msg.seqs or msg.prefills or msg.commits or msg.finished:
             out = self.calls.run(msg)
             self.stats.draft_busy_s += out.elapsed_s
@@ -151,17 +156,20 @@ class PipelinedDrafter:
         """Start drafting round r+1 for the predicted outcomes of round r."""
         self._t_submit = time.perf_counter()
         msg = DraftStep(commits=self._take_commits())
-        for r, tree in zip(batch.rounds, trees, strict=True):
+        for r, tree, shape in zip(batch.rounds, trees, batch.shapes, strict=True):
             # Round r+1 starts at most num_nodes + 1 tokens further on; skip it if it may pass the draft's context.
             if (tree.num_nodes == 0 or r.remaining_tokens <= 2
                     or r.num_tokens + tree.num_nodes + 1 + self.tree.depth > self.draft_max_len):
                 continue
             # At least one in-flight token: re-feeding the last committed one is harmless (same KV).
             base = min(r.num_cached_draft, r.num_tokens - 1)
-            seq = self.calls.seq(r, base, list(self.tree.branching), anchors=[])
+            # Pre-draft the configured tree if this round was a tree, else the longest chain: the policy's next
+            # depth is not known yet, and any shorter chain is a prefix of it.
+            branching = self.tree.branching if any(w > 1 for w in shape) else (1,) * self.tree.depth
+            seq = self.calls.seq(r, base, list(branching), anchors=[])
             self._predict(seq, tree)
             msg.seqs.append(seq)
-            self._inflight[r.seq_id] = _PreDraft(base, seq.token_ids)  # result filled in by commit
+            self._inflight[r.seq_id] = _PreDraft(base, seq.token_ids, branching)  # result filled in by commit
         self._predraft_sent = bool(msg.seqs or msg.commits)
         if self._predraft_sent:
             self.calls.submit(msg)
@@ -216,7 +224,7 @@ class PipelinedDrafter:
             cached[r.seq_id] = pre.base_len + m.num_inflight + len(m.pred_nodes)
             if m.tree is not None:
                 self.stats.hits += 1
-                self._ready[r.seq_id] = m.tree
+                self._ready[r.seq_id] = (m.tree, pre.branching)
         self.stats.wall_s += time.perf_counter() - self._step_start
         return cached
 

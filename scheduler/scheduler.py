@@ -26,7 +26,7 @@ from typing import Protocol
 
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spec_policy import SpecPolicy, branching_nodes
 
 
 class VerifiedRound(Protocol):
@@ -65,6 +65,7 @@ class ScheduledBatch:
     prefills: list[PrefillChunk] = field(default_factory=list)
     rounds: list[Request] = field(default_factory=list)  # speculative (or plain decode) rounds
     depths: list[int] = field(default_factory=list)  # tree depth of each round (0: plain decode)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)  # branching of each round's tree (the policy's)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -119,9 +120,9 @@ class Scheduler:
     def depth(self, req: Request) -> int:
         return self.policy.depth(req.num_tokens, req.remaining_tokens) if self.policy is not None else 0
 
-    def _round_nodes(self, depth: int) -> int:
+    def _round_nodes(self, shape: tuple[int, ...]) -> int:
         """Target scratch nodes of a round: the nodes it will verify."""
-        return self.policy.num_nodes(depth) if self.policy is not None else self.num_tree_nodes
+        return branching_nodes(shape) if self.policy is not None else self.num_tree_nodes
 
     def _draft_nodes(self, nodes: int) -> int:
         """Draft scratch nodes: the round's tree, or more when pipelining pre-drafts several trees."""
@@ -162,11 +163,13 @@ class Scheduler:
             out.preempted.append(victim)
         short_of_kv = False
         decoding = [r for r in self.running if not r.is_prefilling]
-        for req in list(decoding):
+        # The policy shapes every round at once: the best depth of one request depends on the others' (they
+        # share the verify and draft forwards).
+        shapes = self.policy.plan(decoding) if self.policy is not None else [()] * len(decoding)
+        for req, shape in zip(decoding, shapes, strict=True):
             if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
                 continue
-            depth = self.depth(req)
-            nodes = self._round_nodes(depth)
+            nodes = self._round_nodes(shape)
             slots = req.num_tokens + nodes  # every token so far (committed + in flight) plus the tree
             draft_slots = req.num_tokens + self._draft_nodes(nodes)
             while not self._fits(req, slots, draft_slots):
@@ -179,7 +182,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self._reserve(req, slots, draft_slots)
                 out.rounds.append(req)
-                out.depths.append(depth)
+                out.depths.append(len(shape))
+                out.shapes.append(tuple(shape))
                 budget -= req.num_tokens - req.num_cached_target + nodes
         candidates = [r for r in self.running if r.is_prefilling]
         # No admissions in a step that had to preempt: the pool is short, and a victim re-admitted at once would
@@ -232,6 +236,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self._release(req)
+        if self.policy is not None:
+            self.policy.forget(req.seq_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:  # aborted before it ran (or while preempted)
@@ -251,8 +257,10 @@ class Scheduler:
             c.req.num_cached_target = c.end
             if self.draft_blocks is not None:
                 c.req.num_cached_draft = c.end
-        for req, res, drafted in zip(batch.rounds, results, num_drafted, strict=True):
+        for req, shape, res, drafted in zip(batch.rounds, batch.shapes, results, num_drafted, strict=True):
             req.num_cached_target = req.num_tokens + len(res.accepted_nodes)
             req.num_cached_draft = num_cached_draft.get(req.seq_id, req.num_cached_draft)
             req.stats.record_round(drafted, len(res.accepted_nodes), len(res.tokens), res.bonus)
+            if drafted and self.policy is not None:
+                self.policy.observe_round(req, shape, len(res.accepted_nodes))
             self.target_blocks.trim(req.seq_id, req.num_cached_target)

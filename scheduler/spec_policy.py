@@ -6,7 +6,20 @@ each of those 1: depth 3, 2 + 4 + 4 = 10 nodes. A chain of K tokens is ``(1,) * 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from scheduler.cost_model import StepSample
+from scheduler.request import Request
+
+
+def branching_nodes(branching: Sequence[int]) -> int:
+    """Nodes of a tree with this branching per depth (a chain of K: K)."""
+    total, n = 0, 1
+    for w in branching:
+        n *= w
+        total += n
+    return total
 
 
 @dataclass(frozen=True)
@@ -43,7 +56,12 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class SpecPolicy:
-    """How deep each request's tree goes this round: the configured shape, cut where drafting cannot pay."""
+    """How deep each request's tree goes this round: the configured shape, cut where drafting cannot pay.
+
+    Every policy answers ``plan``: the branching of each decoding request's round (``()``: plain decode); the
+    scheduler reserves exactly those nodes. This one is the fixed depth; scheduler/adaptive.py chooses by
+    measured costs and acceptance, ``BatchSizeSchedule`` by vLLM's batch-size table.
+    """
 
     tree: TreeShape
     max_model_len: int  # the target's context
@@ -58,3 +76,38 @@ class SpecPolicy:
     def num_nodes(self, depth: int) -> int:
         """Nodes of the tree cut to ``depth`` levels: what the target verifies, at most."""
         return sum(self.tree.level_sizes[:depth])
+
+    def cap(self, req: Request) -> int:
+        return self.depth(req.num_tokens, req.remaining_tokens)
+
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+        return [self.tree.branching[: self.cap(r)] for r in reqs]
+
+    # What adaptive policies learn from; the fixed ones ignore it.
+    def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
+        pass
+
+    def observe_step(self, sample: StepSample) -> None:
+        pass
+
+    def forget(self, seq_id: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BatchSizeSchedule(SpecPolicy):
+    """vLLM's ``num_speculative_tokens_per_batch_size``: depth by the number of decoding requests, a fixed
+    schedule (``table``: (smallest batch size, depth) pairs, ascending; below the first entry: full depth)."""
+
+    table: tuple[tuple[int, int], ...] = ()
+
+    def depth_for_batch(self, batch_size: int) -> int:
+        k = self.tree.depth
+        for size, depth in self.table:
+            if batch_size >= size:
+                k = depth
+        return k
+
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+        k = self.depth_for_batch(len(reqs))
+        return [self.tree.branching[: min(k, self.cap(r))] for r in reqs]

@@ -81,9 +81,11 @@ def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
                                 seed=5, num_hidden_layers=1, with_tokenizer=True)
 
 
-def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid") -> dict:
-    """A speculative_config dict: a chain of ``k`` tokens, or a tree with ``branching`` (k = its depth)."""
-    cfg: dict = {"method": "draft_model", "model": draft, "tree_sampling": sampling}
+def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid",
+         adaptive: bool = False) -> dict:
+    """A speculative_config dict: a chain of ``k`` tokens, or a tree with ``branching`` (k = its depth). The
+    depth is fixed (tests count rounds of that depth) unless ``adaptive``, where it is the policy's maximum."""
+    cfg: dict = {"method": "draft_model", "model": draft, "tree_sampling": sampling, "adaptive": adaptive}
     if branching is not None:
         cfg["tree_branching"] = list(branching)
         cfg["num_speculative_tokens"] = len(branching)
@@ -183,3 +185,26 @@ def _process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited: only its entry remains
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def random_plans(monkeypatch, seed: int = 0) -> None:
+    """The adaptive policy's own plan, then overridden by random shapes from its menu (chains 0..cap, the
+    configured tree): depths change per request and per step far more than any measured policy would."""
+    import random
+
+    from scheduler.adaptive import AdaptivePolicy
+
+    rng = random.Random(seed)
+    real = AdaptivePolicy.plan
+
+    def plan(self, reqs):
+        real(self, reqs)  # keeps its bookkeeping exercised
+        tree = self.base.tree.branching
+        out = []
+        for r in reqs:
+            cap = self.base.cap(r)
+            menu = [(1,) * d for d in range(cap + 1)] + [tree[:cap]]
+            out.append(rng.choice(menu))
+        return out
+
+    monkeypatch.setattr(AdaptivePolicy, "plan", plan)

@@ -98,7 +98,8 @@ def test_engine_acceptance_equals_exact_replay_on_trained_pair(k: int) -> None:
     from transformers import AutoModelForCausalLM
 
     records = [json.loads(line) for line in PROMPTS_FILE.read_text(encoding="utf-8").splitlines()[:3]]
-    with LLM() as llm:  # no model arguments: the built-in pair with speculation on
+    # No model arguments: the built-in pair with speculation on, at the fixed depth the replay below assumes.
+    with LLM(speculative_config={"adaptive": False}) as llm:
         assert llm.engine.config.speculative is not None
         assert llm.engine.config.speculative.num_speculative_tokens == k
         outs = llm.generate([r["prompt"] for r in records],

@@ -16,7 +16,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import run_to_completion, spec
+from tests.conftest import random_plans, run_to_completion, spec
 
 MAX_TOKENS = 32
 PROMPTS = [[1], [1, 17, 44, 9, 83], [1] + list(range(20, 32)), [1] + [(7 * i) % 120 + 3 for i in range(29)]]
@@ -273,3 +273,21 @@ def test_one_round_definition_for_request_and_aggregate_stats(llama) -> None:
     assert agg["mean_acceptance_length"] == pytest.approx(emitted / agg["rounds"], abs=1e-3)
     assert agg["nodes_per_round"] <= 4 and agg["acceptance_rate"] == round(
         agg["accepted_tokens"] / agg["drafted_tokens"], 4)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("shape", ["chain5", "tree221"])
+def test_adaptive_depths_keep_greedy_output(family, shape: str, pipeline: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive on (the measured policy), then random depths and shapes every step: the output is the
+    target's greedy output either way."""
+    models, expected = family
+    k, branching = SHAPES[shape]
+    cfg = {**spec(models.perturbed, k, branching, adaptive=True), "pipeline": pipeline}
+    got, engine = _generate(models.target, cfg)
+    assert got == expected
+    assert sum(engine.stats.chosen_depths.values()) > 0
+    random_plans(monkeypatch)
+    got, engine = _generate(models.target, cfg)
+    assert got == expected
+    assert len(engine.stats.chosen_depths) >= 3, engine.stats.chosen_depths  # the depth really changed

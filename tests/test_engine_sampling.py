@@ -20,7 +20,7 @@ import torch
 
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
-from tests.conftest import SMALL_VOCAB, spec
+from tests.conftest import SMALL_VOCAB, random_plans, spec
 
 PROMPT = [1, 7, 4]
 N = 1500  # requests per distribution run
@@ -174,11 +174,20 @@ CASES = {  # name -> (branching, tree_sampling, laws sampled side by side in one
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_speculative_output_follows_the_target_law(small_vocab, target_logits, case: str) -> None:
+# Adaptive speculation on: the measured policy, and random depths/shapes per request per step (every depth
+# change the policy could make, far more often).
+ADAPTIVE_CASES = {"chain-T1-adaptive": "chain-T1",
+                  "tree-iid-T1-and-T0.7-topk5-random-depths": "tree-iid-T1-and-T0.7-topk5"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(ADAPTIVE_CASES))
+def test_speculative_output_follows_the_target_law(small_vocab, target_logits, case: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = small_vocab
-    branching, mode, laws = CASES[case]
-    samples, llm = sample_engine(target, spec(draft, None, branching, mode), laws)
+    branching, mode, laws = CASES[ADAPTIVE_CASES.get(case, case)]
+    if case.endswith("random-depths"):
+        random_plans(monkeypatch)
+    samples, llm = sample_engine(target, spec(draft, None, branching, mode, adaptive=case in ADAPTIVE_CASES), laws)
     stats = llm.engine.stats
     # The rounds really speculated, accepting some candidates and rejecting others.
     assert stats.num_rounds >= N * len(laws) and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()

@@ -95,6 +95,14 @@ def test_request_larger_than_the_kv_pool(llama) -> None:
      r"tree_branching \[8, 8\] makes 72 nodes per round, above max_tree_nodes=64"),
     ({"model": "d", "num_speculative_tokens": 2, "tree_branching": [2, 0]}, r"tree branching entries must be"),
     ("{not json", r"speculative_config is not valid JSON"),
+    ({"model": "d", "adaptive": "yes"}, r"speculative_config.adaptive must be true or false, got 'yes'"),
+    ({"model": "d", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": {"1": 5}},
+     r"num_speculative_tokens_per_batch_size: depths must be integers in \[0, num_speculative_tokens=4\]"),
+    ({"model": "d", "num_speculative_tokens_per_batch_size": {"zero": 2}},
+     r"num_speculative_tokens_per_batch_size: batch sizes must be integers >= 1"),
+    ({"model": "d", "num_speculative_tokens_per_batch_size": 3}, r"num_speculative_tokens_per_batch_size must map"),
+    ({"model": "d", "adaptive": True, "num_speculative_tokens_per_batch_size": {"1": 2}},
+     r"num_speculative_tokens_per_batch_size is a fixed schedule: it cannot be combined with adaptive=true"),
 ])
 def test_speculative_config_errors(cfg, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -105,6 +113,16 @@ def test_speculative_config_from_json() -> None:
     cfg = SpeculativeConfig.parse('{"method": "draft_model", "model": "d", "num_speculative_tokens": 3, '
                                   '"tree_branching": [2, 1, 1]}')
     assert cfg.tree_shape.branching == (2, 1, 1) and cfg.tree_shape.num_nodes == 6
+
+
+def test_adaptive_is_opt_in_and_the_batch_size_table() -> None:
+    assert not SpeculativeConfig.parse({"model": "d"}).is_adaptive  # opt-in until it beats a fixed depth here
+    assert SpeculativeConfig.parse({"model": "d", "adaptive": True}).is_adaptive
+    cfg = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": {"16": 2, "1": 4,
+                                                                                        "64": 0}})
+    assert not cfg.is_adaptive and cfg.batch_size_schedule == ((1, 4), (16, 2), (64, 0))
+    pairs = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": [[8, 1]]})
+    assert pairs.batch_size_schedule == ((8, 1),)
 
 
 def test_missing_draft_directory(llama, tmp_path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
-from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, ray_leftovers
+from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, random_plans, ray_leftovers
 from workers.messages import SamplingSpec, TargetStep, VerifySeq
 
 SPECS = {  # name -> speculative settings (None: no speculation)
@@ -33,8 +33,10 @@ PARAMS = [GREEDY] * len(TP_PROMPTS) + [
 
 
 def speculative(models: TPModels, name: str, **extra) -> dict | None:
+    """Fixed depth unless ``extra`` says adaptive: seeded sampled outputs are compared across executors, and
+    adaptive depths follow measured times."""
     s = SPECS[name]
-    return None if s is None else {"method": "draft_model", "model": models.draft, **s, **extra}
+    return None if s is None else {"method": "draft_model", "model": models.draft, **s, "adaptive": False, **extra}
 
 
 def run(llm: LLM) -> tuple[list[list[int]], list[list[int]]]:
@@ -143,6 +145,20 @@ def test_tp2_equals_in_process_and_transformers(tp_models: TPModels, engines: En
     assert (greedy, sampled) == in_process(name)
     # Speculation really ran, and some candidates were accepted (commits of accepted paths on both ranks).
     assert stats.num_rounds > 0 and 0 < stats.num_accepted < stats.num_drafted
+
+
+def test_tp2_adaptive_keeps_greedy_output(tp_models: TPModels, engines: Engines,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive speculation over Ray (the policy runs in the driver's scheduler), with random depths and shapes
+    per request per step: the greedy output is the target's."""
+    random_plans(monkeypatch)
+    llm = engines.take("tp2-adaptive", "tree", tensor_parallel_size=2, spec_extra={"adaptive": True})
+    try:
+        greedy, _ = run(llm)
+        assert greedy == tp_models.expected
+        assert len(llm.engine.stats.chosen_depths) >= 3, llm.engine.stats.chosen_depths
+    finally:
+        llm.shutdown()
 
 
 def test_tp2_workers_are_where_the_plan_says(engines: Engines) -> None:

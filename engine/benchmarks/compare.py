@@ -39,7 +39,8 @@ from engine.benchmarks.floor import measure_floor, report_floor
 from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
 from scheduler.sampling_params import SamplingParams, is_greedy
 
-ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined")
+ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined", "specserve_adaptive")
+FIXED_K_MODE = "specserve_k"  # + K: a fixed chain of K per --fixed-ks
 HF_MODES = ("hf_generate", "hf_assisted", "hf_assisted_constant_k")  # the assisted ones at batch 1 only
 
 
@@ -55,6 +56,8 @@ class Row:
     breakdown: dict | None = None  # the engine's StepTimes of the last repeat
     pipeline: dict | None = None
     greedy_match_vs_hf: str | None = None
+    chosen_depths: dict | None = None  # rounds per depth the speculation policy chose (last repeat)
+    mean_chosen_depth: float | None = None
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -145,6 +148,7 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
         row.acceptance_length.append(s["mean_acceptance_length"])
         drafted = s.get("drafted_tokens") or 0
         row.acceptance_rate.append(s.get("accepted_tokens", 0) / drafted if drafted else 0.0)
+        row.chosen_depths, row.mean_chosen_depth = s["chosen_depths"], s["mean_chosen_depth"]
     return outs
 
 
@@ -171,6 +175,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="chain length")
     ap.add_argument("--tree", default="2,1", help="tree branching at the chain's node budget (2,1: 4 nodes)")
+    ap.add_argument("--adaptive-k", type=int, default=8, help="K_max of specserve_adaptive")
+    ap.add_argument("--fixed-ks", default="", help="also fixed chains of these K (modes specserve_k<K>), "
+                                                   "e.g. 2,4,6,8")
     ap.add_argument("--temperatures", default="0,0.8")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the tables show medians)")
@@ -200,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 
+    fixed_ks = [int(x) for x in args.fixed_ks.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
-    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES))
+    modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks]
+    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES) - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
     cfg = ModelConfig.from_pretrained(args.target)
@@ -210,13 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     tree = [int(x) for x in args.tree.split(",")]
     n = args.max_tokens
     prompts = load_prompts(args.prompts, load_tokenizer(args.target), cfg.vocab_size,
-                           max([args.num_prompts, *batches]), cfg.max_model_len - n - args.k - 2)
+                           max([args.num_prompts, *batches]),
+                           cfg.max_model_len - n - max([args.k, args.adaptive_k, *fixed_ks]) - 2)
     kv = max(batches) * (max(len(p) for p in prompts) + n + 64)
-    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
+    chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, "adaptive": False,
              "quantization": args.draft_quantization}
     specs = {"specserve_nospec": "none", "specserve_chain": chain,
              "specserve_tree": {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree},
-             "specserve_pipelined": {**chain, "pipeline": True}}
+             "specserve_pipelined": {**chain, "pipeline": True},
+             "specserve_adaptive": {**chain, "num_speculative_tokens": args.adaptive_k, "adaptive": True},
+             **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
     hf = None
     if any(m.startswith("hf_") for m in modes) or not args.skip_floor:
@@ -224,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = HF(args.target, args.draft, getattr(torch, args.dtype), args.device, pad)
     llms = {m: LLM(args.target, specs[m], dtype=args.dtype, device=args.device, max_num_seqs=max(batches),
                    num_kv_tokens=kv, distributed_executor_backend=args.backend, quantization=args.quantization)
-            for m in ENGINE_MODES if m in modes or (m == "specserve_nospec" and not args.skip_floor)}
+            for m in specs if m in modes or (m == "specserve_nospec" and not args.skip_floor)}
     try:
         rows = run_all(args, modes, hf, llms, prompts, batches, temps)
         floor = None
@@ -296,7 +308,7 @@ def summarize(rows: list[Row], k: int) -> dict:
     for r in rows:
         by = {x.mode: x for x in rows if (x.temperature, x.batch) == (r.temperature, r.batch)}
         key = f"T={r.temperature}@{r.batch}:{r.mode}"
-        for base in ("specserve_chain", "hf_assisted", "hf_generate"):
+        for base in ("specserve_chain", "specserve_nospec", "hf_assisted", "hf_generate"):
             b = by.get(base)
             if b is not None and b is not r and b.tok_s:
                 out[f"{key}_vs_{base}"] = r.tok_s / b.tok_s
@@ -310,8 +322,8 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
     print(f"\ntarget {args.target}\ndraft  {args.draft}\n{args.num_prompts} prompts, {args.max_tokens} tokens each, "
           f"chain K={args.k}, tree {args.tree}, dtype {args.dtype}, {args.threads} thread(s), median of "
           f"{args.repeats} repeat(s)\n")
-    print(f"{'T':>4} {'batch':>5} {'mode':<24} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'vs chain':>8} "
-          f"{'vs HF-asst':>10} {'vs HF-gen':>9} {'greedy=HF':>9}")
+    print(f"{'T':>4} {'batch':>5} {'mode':<24} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'K mean':>6} "
+          f"{'vs chain':>8} {'vs nospec':>9} {'vs HF-asst':>10} {'vs HF-gen':>9} {'greedy=HF':>9}")
     for r in rows:
         key = f"T={r.temperature}@{r.batch}:{r.mode}"
 
@@ -321,9 +333,15 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
 
         acc = f"{statistics.median(r.acceptance_length):.2f}" if r.acceptance_length else "-"
         rate = f"{statistics.median(r.acceptance_rate):.2f}" if r.acceptance_rate else "-"
-        print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<24} {r.tok_s:>8.1f} {acc:>7} {rate:>8} "
-              f"{ratio('specserve_chain'):>8} {ratio('hf_assisted'):>10} {ratio('hf_generate'):>9} "
-              f"{r.greedy_match_vs_hf or '-':>9}")
+        kmean = f"{r.mean_chosen_depth:.2f}" if r.mean_chosen_depth is not None else "-"
+        print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<24} {r.tok_s:>8.1f} {acc:>7} {rate:>8} {kmean:>6} "
+              f"{ratio('specserve_chain'):>8} {ratio('specserve_nospec'):>9} {ratio('hf_assisted'):>10} "
+              f"{ratio('hf_generate'):>9} {r.greedy_match_vs_hf or '-':>9}")
+    adaptive = [r for r in rows if r.mode == "specserve_adaptive" and r.chosen_depths]
+    if adaptive:
+        print("\nK chosen by the adaptive policy (rounds per depth, last repeat; plain-decode rounds are '0'):")
+        for r in adaptive:
+            print(f"  T={r.temperature} b={r.batch}: {r.chosen_depths}")
     print("\nwhere the engine's time goes (ms per output token, last repeat; model = draft + verify + state):")
     for r in rows:
         c = cycle_model(r)

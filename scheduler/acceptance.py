@@ -1,0 +1,100 @@
+"""Per-position acceptance estimates for the adaptive speculation policy (stdlib only).
+
+``alpha[j]`` is the chance that the candidate at depth j + 1 is accepted given that the ones above it were
+(a chain's per-position rate): a round that accepted ``a`` of ``d`` candidates tried positions 0 .. min(a, d - 1)
+and accepted positions 0 .. a - 1. Then E[tokens of a round of depth k] = 1 + sum_{j<k} prod_{m<=j} alpha[m].
+
+Each request keeps exponentially weighted counts of its own rounds, shrunk towards the engine-wide rates of
+its sampling regime (greedy and sampled accept differently), which are the prior of a new request. Trees keep
+their own counts (a level with w siblings accepts more often than a chain's single candidate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_RATE = 0.7  # before anything is measured (the pipelined drafter's prior too)
+
+
+@dataclass
+class PositionCounts:
+    """Exponentially weighted (accepted, tried) per position."""
+
+    decay: float  # weight kept by the old counts each time a position is tried
+    accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        for j in range(min(num_accepted + 1, depth)):
+            if j >= len(self.tried):
+                self.accepted.append(0.0)
+                self.tried.append(0.0)
+            self.accepted[j] = self.decay * self.accepted[j] + (j < num_accepted)
+            self.tried[j] = self.decay * self.tried[j] + 1.0
+
+    def rate(self, j: int, prior: float, prior_weight: float) -> float:
+        a, t = (self.accepted[j], self.tried[j]) if j < len(self.tried) else (0.0, 0.0)
+        return (a + prior_weight * prior) / (t + prior_weight)
+
+    def rounds(self, j: int = 0) -> float:
+        return self.tried[j] if j < len(self.tried) else 0.0
+
+
+@dataclass
+class AcceptanceTracker:
+    request_decay: float = 0.8  # a request's memory: ~5 rounds
+    engine_decay: float = 0.995  # the engine's: ~200 rounds
+    prior_weight: float = 2.0  # how many rounds of evidence the prior is worth
+    _engine: dict[tuple[bool, bool], PositionCounts] = field(default_factory=dict)  # (greedy, tree) -> counts
+    _requests: dict[tuple[int, bool], PositionCounts] = field(default_factory=dict)  # (seq_id, tree) -> counts
+
+    def _counts(self, table: dict, key: tuple, decay: float) -> PositionCounts:
+        c = table.get(key)
+        if c is None:
+            c = table[key] = PositionCounts(decay)
+        return c
+
+    def observe(self, seq_id: int, greedy: bool, tree: bool, depth: int, num_accepted: int) -> None:
+        if depth <= 0:
+            return
+        self._counts(self._engine, (greedy, tree), self.engine_decay).observe(depth, num_accepted)
+        self._counts(self._requests, (seq_id, tree), self.request_decay).observe(depth, num_accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self._requests.pop((seq_id, False), None)
+        self._requests.pop((seq_id, True), None)
+
+    def engine_rates(self, greedy: bool, depth: int, widths: tuple[int, ...] | None = None) -> list[float]:
+        """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: a
+        level accepts if any of w independent chain candidates would, 1 - (1 - alpha)^w)."""
+        chain = self._counts(self._engine, (greedy, False), self.engine_decay)
+        rates = [chain.rate(j, DEFAULT_RATE, self.prior_weight) for j in range(depth)]
+        if widths is None:
+            return rates
+        tree = self._counts(self._engine, (greedy, True), self.engine_decay)
+        return [tree.rate(j, 1 - (1 - rates[j]) ** widths[j], self.prior_weight) for j in range(depth)]
+
+    def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,
+              prior: list[float] | None = None) -> list[float]:
+        """A request's per-position rates: its own rounds, shrunk towards the engine's (``prior``: those rates,
+        when the caller already has them)."""
+        if prior is None or len(prior) < depth:
+            prior = self.engine_rates(greedy, depth, widths)
+        own = self._requests.get((seq_id, widths is not None))
+        if own is None:
+            return prior[:depth]
+        return [own.rate(j, prior[j], self.prior_weight) for j in range(depth)]
+
+    def tree_rounds(self, greedy: bool) -> float:
+        c = self._engine.get((greedy, True))
+        return c.rounds() if c is not None else 0.0
+
+
+def expected_tokens(rates: list[float], depth: int) -> float:
+    """E[tokens emitted by a round of this depth] = 1 + sum_j prod_{m<=j} alpha[m] (the bonus/recovered token
+    included)."""
+    e, p = 1.0, 1.0
+    for j in range(depth):
+        p *= rates[j]
+        e += p
+    return e

@@ -1,0 +1,220 @@
+"""Adaptive speculation: each step, the depth and shape of every request's round, by measured costs (stdlib only).
+
+The goal is the batch's expected emitted tokens per second:
+
+    E[tokens] / step seconds,  E[tokens] = sum_i (1 + sum_{j<k_i} prod_{m<=j} alpha_im)
+
+with alpha from scheduler/acceptance.py (each request's own rounds, the engine-wide rates of its sampling
+regime as the prior) and step seconds from scheduler/cost_model.py (verify vs batched tokens, one draft forward
+vs its tokens, controller time vs requests; all measured).
+
+Chains: the value of a request's j-th candidate is prod_{m<=j} alpha_im (the chance it is reached and
+accepted), non-increasing in j. Adding candidates in order of value, across the batch, gives every allocation
+worth considering (a request whose draft disagrees loses its deep candidates first); each prefix of that order
+is priced with the cost model and the best kept. K = 0 for everyone is the empty prefix: chosen when the
+verify curve is steep (compute-bound) or acceptance too low to pay for the draft. The configured tree (when it
+is not a chain) is the other menu item: every request's round at the tree, priced the same way, chosen only
+when it comes out better with its own measured acceptance.
+
+Stability: the previous step's choice, re-priced with today's estimates, stays unless the new one is better by
+``hysteresis`` (relative); noise in the estimates does not flip the depth every step.
+
+Exploration keeps the cost curves current: a curve is only trusted near sizes it measured, so every
+``explore_every`` steps the policy runs one step of the plan it is not using (plain decode while it
+speculates, the full configured depth while it does not) when that size was not measured lately. Until both
+curves have data the configured depth runs (the fixed policy). Greedy output never depends on any of this
+(the depth never changes a greedy token); sampled output keeps the target's law at every depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.acceptance import AcceptanceTracker, expected_tokens
+from scheduler.cost_model import CostModel, StepSample
+from scheduler.request import Request
+from scheduler.spec_policy import SpecPolicy
+
+
+@dataclass
+class _Req:
+    """What the plan needs of a request."""
+
+    seq_id: int
+    greedy: bool
+    cap: int  # deepest round allowed (remaining tokens, contexts)
+    inflight: int  # target tokens fed before the tree (1 after a round)
+    lag: int  # draft tokens fed before its tree (grows while the request decodes plainly)
+    rates: list[float]  # chain per-position acceptance, length cap
+
+
+@dataclass
+class _Plan:
+    shapes: list[tuple[int, ...]]
+    tokens: float  # expected emitted tokens
+    seconds: float  # predicted step time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class AdaptivePolicy:
+    base: SpecPolicy  # the configured tree (K_max = its depth) and the context caps
+    cost: CostModel = field(default_factory=CostModel)  # steps of greedy requests only
+    # Steps with sampled requests cost more per node (their draft laws travel to the verifier, and verification
+    # samples residuals): their own curves, used once measured (the greedy ones until then).
+    sampled_cost: CostModel = field(default_factory=CostModel)
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
+    explore_every: int = 64  # steps before a size the policy does not use is measured again
+    _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
+    explored_steps: int = 0
+    _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
+
+    # --------------------------------------------------------------------------------- SpecPolicy interface
+    def depth(self, num_tokens: int, remaining_tokens: int) -> int:
+        return self.base.depth(num_tokens, remaining_tokens)
+
+    def num_nodes(self, depth: int) -> int:
+        return self.base.num_nodes(depth)
+
+    def cap(self, req: Request) -> int:
+        return self.base.cap(req)
+
+    def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
+        tree = any(w > 1 for w in branching)
+        self.acceptance.observe(req.seq_id, req.params.greedy, tree, len(branching), num_accepted)
+
+    def observe_step(self, sample: StepSample) -> None:
+        (self.sampled_cost if sample.sampled else self.cost).observe(sample)
+
+    def _regime_cost(self, rs: Sequence[_Req]) -> CostModel:
+        if any(not r.greedy for r in rs) and self.sampled_cost.ready:
+            return self.sampled_cost
+        return self.cost
+
+    def forget(self, seq_id: int) -> None:
+        self.acceptance.forget(seq_id)
+        self._last.pop(seq_id, None)
+
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+        k = self.base.tree.depth
+        priors = {g: self.acceptance.engine_rates(g, k) for g in (False, True)}
+        rs = [self._view(r, priors[r.params.greedy]) for r in reqs]
+        fixed = [self.base.tree.branching[: r.cap] for r in rs]
+        self._cost = self._regime_cost(rs)
+        if not rs or not self._cost.ready:
+            return fixed  # nothing measured yet: the configured depth, which measures both curves
+        best = self.best_chains(rs)
+        tree = self._tree_plan(rs)
+        if tree is not None and tree.rate > best.rate:
+            best = tree
+        prev = self._previous(rs, best.shapes)
+        if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
+            best = prev
+        for r, shape in zip(rs, best.shapes, strict=True):
+            self._last[r.seq_id] = shape
+        explore = self._exploration(rs, best.shapes, fixed)
+        if explore is not None:
+            self.explored_steps += 1
+            return explore
+        return best.shapes
+
+    # --------------------------------------------------------------------------------------------- the plan
+    def _view(self, r: Request, prior: list[float]) -> _Req:
+        cap = self.base.cap(r)
+        # The draft's catch-up after plain rounds is paid once, not every round: price one in-flight token, or a
+        # request that stopped speculating would look ever dearer to restart.
+        return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target), 1,
+                    self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior))
+
+    def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
+        """Expected tokens and predicted seconds of a step running these shapes."""
+        if self._cost is None:
+            self._cost = self._regime_cost(rs)
+        tokens = 0.0
+        verify = 0
+        forwards: list[int] = []
+        for r, shape in zip(rs, shapes, strict=True):
+            d = len(shape)
+            is_tree = any(w > 1 for w in shape)
+            rates = self.acceptance.rates(r.seq_id, r.greedy, d, tuple(shape)) if is_tree else r.rates
+            tokens += expected_tokens(rates, d)
+            verify += r.inflight
+            level = 1  # nodes at level f (level 0: the in-flight tokens)
+            for f in range(d):
+                if len(forwards) <= f:
+                    forwards.append(0)
+                forwards[f] += r.lag if f == 0 else level  # forward f carries level f, making level f + 1
+                level *= shape[f]
+                verify += level
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(rs)))
+
+    def best_chains(self, rs: Sequence[_Req]) -> _Plan:
+        """The best prefix of all chain candidates ordered by value (reached-and-accepted probability)."""
+        if self._cost is None:
+            self._cost = self._regime_cost(rs)
+        cands: list[tuple[float, int, int]] = []  # (-value, depth, request index)
+        for i, r in enumerate(rs):
+            p = 1.0
+            for j in range(r.cap):
+                p *= r.rates[j]
+                cands.append((-p, j, i))
+        cands.sort()
+        depths = [0] * len(rs)
+        forwards: list[int] = []
+        verify = sum(r.inflight for r in rs)
+        tokens = float(len(rs))
+        fixed_s = self._cost.state(len(rs))
+        verify_cost, draft_cost = self._cost.verify, self._cost.draft
+        best_n, best_rate = 0, tokens / (verify_cost(verify) + fixed_s)
+        # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
+        stride = max(1, -(-len(cands) // 32))
+        for n, (neg_value, j, i) in enumerate(cands, start=1):
+            depths[i] = j + 1  # values never increase along a chain, and ties sort by depth: j == depths[i]
+            tokens -= neg_value
+            verify += 1
+            if len(forwards) <= j:
+                forwards.append(0)
+            forwards[j] += rs[i].lag if j == 0 else 1
+            if n % stride and n != len(cands):
+                continue
+            rate = tokens / (verify_cost(verify) + sum(draft_cost(f) for f in forwards) + fixed_s)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+            elif rate < 0.8 * best_rate:  # gains shrink and costs grow from here on: it will not recover
+                break
+        depths = [0] * len(rs)
+        for _, j, i in cands[:best_n]:
+            depths[i] = max(depths[i], j + 1)
+        return self.price(rs, [(1,) * d for d in depths])
+
+    def _tree_plan(self, rs: Sequence[_Req]) -> _Plan | None:
+        """The configured tree (cut to each request's cap) for every request, when it is not a chain."""
+        tree = self.base.tree.branching
+        if all(w == 1 for w in tree):
+            return None
+        return self.price(rs, [tree[: r.cap] for r in rs])
+
+    def _previous(self, rs: Sequence[_Req], new: list[tuple[int, ...]]) -> _Plan | None:
+        """Last step's shapes (cut to today's caps; new requests take the new plan's), re-priced."""
+        if not any(r.seq_id in self._last for r in rs):
+            return None
+        shapes = [self._last[r.seq_id][: r.cap] if r.seq_id in self._last else s for r, s in zip(rs, new, strict=True)]
+        if shapes == new:
+            return None
+        return self.price(rs, shapes)
+
+    def _exploration(self, rs: Sequence[_Req], chosen: list[tuple[int, ...]], fixed: list[tuple[int, ...]]
+                     ) -> list[tuple[int, ...]] | None:
+        """One step of the plan not in use when its verify size was not measured for ``explore_every`` steps."""
+        plain = [()] * len(rs)
+        other = plain if any(chosen) else fixed
+        if other == chosen:
+            return None
+        tokens = sum(r.inflight for r in rs) + sum(self.base.num_nodes(len(s)) for s in other)
+        age = self._cost.verify.age(tokens)
+        return other if age is None or age >= self.explore_every else None

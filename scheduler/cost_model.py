@@ -1,0 +1,139 @@
+"""The measured cost of a step, for the adaptive speculation policy (stdlib only).
+
+A step costs ``draft + verify + state`` seconds (engine/metrics.py ``StepTimes`` splits the wall time the same
+way). Each part is a measured curve, not an assumed formula:
+
+- ``verify``: seconds of the target call vs the tokens it forwards (in-flight tokens + tree nodes + prefill);
+  flat while the target is memory-bound, rising once the batch fills the compute units;
+- ``draft``: seconds of one draft forward vs the tokens it carries; a round of depth D costs D forwards, the
+  f-th one over the requests still deeper than f (a chain of K forwards its in-flight tokens, then levels
+  1..K-1; the deepest level is never forwarded);
+- ``state``: the controller's own time per step (schedule, commit, emit) vs the number of requests.
+
+A ``Curve`` keeps an exponentially weighted mean per log2-bucket of its argument and interpolates between
+buckets (extrapolating with the slope of the nearest two), so it follows the real shape of the machine and
+forgets old measurements (another load, a warmer cache). The engine feeds it every step's measured times.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Point:
+    x: float  # weighted mean argument in this bucket
+    y: float  # weighted mean seconds
+    step: int  # when it was last updated
+
+
+@dataclass
+class Curve:
+    """Seconds vs a size (tokens, requests): EW means per log2 bucket, piecewise-linear in between."""
+
+    decay: float = 0.1  # weight of a new measurement in its bucket (~10 steps: CPU step times are noisy)
+    points: dict[int, _Point] = field(default_factory=dict)
+    clock: int = 0
+    _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
+
+    @staticmethod
+    def bucket(x: float) -> int:
+        return 0 if x <= 1 else round(math.log2(x))  # octaves: finer buckets only measure noise more often
+
+    def observe(self, x: float, seconds: float) -> None:
+        if x <= 0 or seconds < 0 or not math.isfinite(seconds):
+            return
+        self.clock += 1
+        self._sorted = None
+        b = self.bucket(x)
+        p = self.points.get(b)
+        if p is None:
+            self.points[b] = _Point(float(x), seconds, self.clock)
+            return
+        # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
+        # after a long gap (an exploration step) replaces its stale value instead of nudging it.
+        a = 1.0 - (1.0 - self.decay) ** (self.clock - p.step)
+        p.x += a * (x - p.x)
+        p.y += a * (seconds - p.y)
+        p.step = self.clock
+
+    def age(self, x: float) -> int | None:
+        """Observations since the bucket of ``x`` was last measured; None if never."""
+        p = self.points.get(self.bucket(x))
+        return None if p is None else self.clock - p.step
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.points)
+
+    def __call__(self, x: float) -> float:
+        """Predicted seconds at ``x`` (0 for x <= 0)."""
+        if x <= 0 or not self.points:
+            return 0.0
+        if self._sorted is None:
+            pts = sorted((p.x, p.y) for p in self.points.values())
+            self._sorted = ([p[0] for p in pts], monotone([p[1] for p in pts]))
+        xs, ys = self._sorted
+        if len(xs) == 1:
+            return ys[0] * max(1.0, x / xs[0])  # one point: flat below, proportional above
+        i = bisect.bisect_left(xs, x)
+        if i == 0:  # below the first point: its slope down, but no cheaper than proportional to x
+            slope = max(0.0, (ys[1] - ys[0]) / max(xs[1] - xs[0], 1e-9))
+            return max(ys[0] * x / xs[0], ys[0] + slope * (x - xs[0]))
+        if i == len(xs):  # past the last point: never cheaper than there
+            slope = max(0.0, (ys[-1] - ys[-2]) / max(xs[-1] - xs[-2], 1e-9))
+            return ys[-1] + slope * (x - xs[-1])
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): more tokens never take less time, so a
+    noisy bucket that measured cheaper than a smaller one is averaged with it instead of inventing a dip."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+@dataclass
+class StepSample:
+    """One step as measured by the engine: what it ran and how long each part took (wall seconds)."""
+
+    verify_tokens: int  # tokens the target forwarded (prefill chunks + in-flight + tree nodes)
+    verify_s: float
+    draft_forward_tokens: list[int]  # tokens of each draft forward of the rounds (empty: nothing drafted)
+    draft_s: float  # draft time the controller waited for (pipelining hides the rest)
+    draft_prefill: bool  # the draft call also prefilled prompt chunks (its time is not only the forwards)
+    num_seqs: int  # requests in the step
+    state_s: float  # controller time: schedule + commit/emit
+    sampled: bool = False  # some round sampled (temperature > 0): laws travel, residuals are sampled
+
+
+@dataclass
+class CostModel:
+    verify: Curve = field(default_factory=Curve)
+    draft: Curve = field(default_factory=Curve)  # one forward
+    state: Curve = field(default_factory=Curve)
+
+    @property
+    def ready(self) -> bool:
+        """Enough measured to compare plans: the target at two sizes and a draft forward."""
+        return len(self.verify.points) >= 2 and self.draft.ready
+
+    def observe(self, s: StepSample) -> None:
+        self.verify.observe(s.verify_tokens, s.verify_s)
+        fwd = [n for n in s.draft_forward_tokens if n > 0]
+        if fwd and not s.draft_prefill:
+            # The forwards of one call cannot be timed apart: charge each the mean, at its mean size.
+            self.draft.observe(sum(fwd) / len(fwd), s.draft_s / len(fwd))
+        self.state.observe(s.num_seqs, s.state_s)
+
+    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:
+        return (self.verify(verify_tokens) + sum(self.draft(n) for n in draft_forward_tokens if n > 0)
+                + self.state(num_seqs))

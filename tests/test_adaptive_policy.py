@@ -1,0 +1,216 @@
+"""The adaptive speculation policy with hand-made cost models and acceptance histories (no models, no torch).
+
+Properties: memory-bound costs -> long chains; verify cost linear in tokens -> K = 0; a request whose draft
+disagrees gets a shorter chain than one whose draft agrees, in the same batch; the configured tree only where
+its measured acceptance pays; the choice does not flap on noisy measurements (and does without hysteresis).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scheduler.acceptance import AcceptanceTracker, expected_tokens
+from scheduler.adaptive import AdaptivePolicy
+from scheduler.cost_model import CostModel, Curve, StepSample, monotone
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy, TreeShape
+
+K_MAX = 8
+MS = 1e-3
+
+
+def curve(fn, xs=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> Curve:
+    c = Curve()
+    for x in xs:
+        c.observe(x, fn(x))
+    return c
+
+
+def costs(verify, draft, state=lambda n: 0.05 * MS) -> CostModel:
+    return CostModel(verify=curve(verify), draft=curve(draft), state=curve(state))
+
+
+def requests(n: int, greedy: bool = True, start: int = 0) -> list[Request]:
+    out = []
+    for i in range(n):
+        r = Request(start + i, str(start + i), [1] * 16, SamplingParams(max_tokens=1000, temperature=0.0 if greedy
+                                                                         else 0.8))
+        r.output_token_ids = [2] * 10
+        r.num_cached_target = r.num_cached_draft = r.num_tokens - 1  # one in-flight token, as after a round
+        out.append(r)
+    return out
+
+
+def policy(cost: CostModel, branching=(1,) * K_MAX, **kw) -> AdaptivePolicy:
+    return AdaptivePolicy(SpecPolicy(TreeShape(tuple(branching)), 100_000, 100_000), cost=cost, **kw)
+
+
+def teach(p: AdaptivePolicy, req: Request, rate: float, rounds: int = 30, seed: int = 0,
+          branching=(1,) * K_MAX) -> None:
+    """Rounds of a draft whose every candidate is accepted with probability ``rate``."""
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        a = 0
+        while a < len(branching) and rng.random() < rate:
+            a += 1
+        p.observe_round(req, tuple(branching), a)
+
+
+MEMORY_BOUND = dict(verify=lambda n: 10 * MS, draft=lambda n: 0.2 * MS)  # flat: a batch costs one weight read
+COMPUTE_BOUND = dict(verify=lambda n: 1 * MS * n, draft=lambda n: 0.1 * MS * n)  # every token costs the same
+
+
+def test_memory_bound_costs_give_long_chains() -> None:
+    p = policy(costs(**MEMORY_BOUND))
+    reqs = requests(4)
+    for r in reqs:
+        teach(p, r, 0.85, seed=r.seq_id)
+    assert p.plan(reqs) == [(1,) * K_MAX] * 4
+
+
+def test_verify_cost_linear_in_tokens_gives_no_speculation() -> None:
+    p = policy(costs(**COMPUTE_BOUND))
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.85, seed=r.seq_id)
+    assert p.plan(reqs) == [()] * 32
+
+
+def test_compute_bound_only_past_a_batch_size() -> None:
+    """Flat up to 64 tokens, linear beyond: a small batch speculates, a large one does not."""
+    p = policy(costs(verify=lambda n: 10 * MS * max(1.0, n / 64), draft=lambda n: 0.2 * MS * max(1.0, n / 64)))
+    small, large = requests(2), requests(64, start=100)
+    for r in small + large:
+        teach(p, r, 0.8, seed=r.seq_id)
+    assert all(len(s) >= 4 for s in p.plan(small))
+    assert p.plan(large) == [()] * 64
+
+
+def test_a_disagreeing_draft_gets_a_shorter_chain() -> None:
+    p = policy(costs(verify=lambda n: 10 * MS + 0.3 * MS * n, draft=lambda n: 0.5 * MS))
+    good, bad = requests(2)
+    teach(p, good, 0.95, seed=1)
+    teach(p, bad, 0.4, seed=2)
+    g, b = p.plan([good, bad])
+    assert len(b) < len(g), (g, b)
+    assert len(g) >= 4
+
+
+def test_new_requests_start_from_their_regimes_rates() -> None:
+    """The engine-wide rates per regime are the prior: greedy drafts agree here, sampled ones rarely."""
+    p = policy(costs(verify=lambda n: 10 * MS + 0.3 * MS * n, draft=lambda n: 0.5 * MS))
+    old_greedy, old_sampled = requests(1), requests(1, greedy=False, start=1)
+    for i in range(10):
+        teach(p, old_greedy[0], 0.95, seed=i)
+        teach(p, old_sampled[0], 0.3, seed=100 + i)
+    new_greedy, new_sampled = requests(1, start=10), requests(1, greedy=False, start=11)
+    g, s = p.plan(new_greedy + new_sampled)
+    assert len(s) < len(g)
+
+
+def test_the_configured_tree_only_where_it_measures_better() -> None:
+    cost = costs(verify=lambda n: 10 * MS + 0.5 * MS * n, draft=lambda n: 0.5 * MS)
+    tree = (2, 1, 1, 1)
+    for tree_rate, want_tree in ((0.55, False), (0.99, True)):
+        p = policy(cost, branching=tree)
+        reqs = requests(4)
+        for r in reqs:
+            teach(p, r, 0.6, seed=r.seq_id, branching=(1, 1, 1, 1))
+            teach(p, r, tree_rate, seed=50 + r.seq_id, branching=tree)
+        shapes = p.plan(reqs)
+        assert (shapes == [tree] * 4) == want_tree, (tree_rate, shapes)
+
+
+def noisy_run(hysteresis: float, steps: int = 300) -> int:
+    """How often the chosen depths change over ``steps`` steps of noisy costs and acceptance, near a tie."""
+    rng = random.Random(7)
+    cost = costs(verify=lambda n: 10 * MS + 0.8 * MS * n, draft=lambda n: 0.5 * MS)
+    p = policy(cost, hysteresis=hysteresis, explore_every=10**9)
+    reqs = requests(8)
+    changes, last = 0, None
+    for _ in range(steps):
+        shapes = p.plan(reqs)
+        changes += last is not None and shapes != last
+        last = shapes
+        for r, s in zip(reqs, shapes, strict=True):  # the rounds: acceptance 0.75 per position
+            teach(p, r, 0.75, rounds=1, seed=rng.randrange(1 << 30), branching=s or (1,))
+        n = 8 + sum(len(s) for s in shapes)
+        p.observe_step(StepSample(n, (10 + 0.8 * n) * MS * rng.uniform(0.7, 1.3), [8] * max(map(len, shapes)),
+                                  0.5 * MS * max(map(len, shapes)) * rng.uniform(0.7, 1.3), False, 8,
+                                  0.05 * MS * rng.uniform(0.7, 1.3)))
+    return changes
+
+
+def test_the_choice_is_stable_on_noise() -> None:
+    assert noisy_run(hysteresis=0.03) <= 300 // 20  # at most one step in 20 changes anything
+
+
+def test_without_hysteresis_the_same_noise_makes_it_flap() -> None:
+    """The negative control of the test above: the setup is near a tie, so noise alone flips the choice."""
+    assert noisy_run(hysteresis=0.0) > 300 // 10
+
+
+def test_exploration_measures_the_unused_plan_again() -> None:
+    """At K = 0 the full depth is run once every ``explore_every`` steps, so a changed machine is noticed."""
+    p = policy(costs(**COMPUTE_BOUND), explore_every=16)
+    reqs = requests(4)
+    plans = []
+    for _ in range(40):
+        shapes = p.plan(reqs)
+        plans.append(shapes)
+        n = 4 + sum(len(s) for s in shapes)
+        p.observe_step(StepSample(n, 1 * MS * n, [4] * max(map(len, shapes)), 0.4 * MS, False, 4, 0.0))
+    explored = [i for i, s in enumerate(plans) if any(s)]
+    assert 1 <= len(explored) <= 3 and p.explored_steps == len(explored), explored
+
+
+def test_unmeasured_costs_run_the_configured_depth() -> None:
+    p = policy(CostModel())
+    reqs = requests(3)
+    reqs[0].params = SamplingParams(max_tokens=13)  # 3 tokens left: at most a chain of 2 (and the bonus token)
+    assert p.plan(reqs) == [(1, 1), (1,) * K_MAX, (1,) * K_MAX]
+
+
+def test_curve_interpolates_and_never_gets_cheaper_past_its_last_point() -> None:
+    c = curve(lambda n: 1.0 + n, xs=(1, 16))
+    assert c(8) == pytest.approx(9.0) and c(32) == pytest.approx(33.0) and c(0) == 0.0
+    flat = curve(lambda n: 5.0 - n * 0.01, xs=(1, 64))
+    assert flat(1000) >= flat(64)
+
+
+def test_acceptance_counts_per_position() -> None:
+    t = AcceptanceTracker(request_decay=1.0, engine_decay=1.0, prior_weight=1e-9)
+    for a in (0, 1, 2, 2):  # depth 2: accepted 0, 1, 2, 2 candidates
+        t.observe(0, True, False, 2, a)
+    rates = t.rates(0, True, 2)
+    assert rates[0] == pytest.approx(0.75, abs=0.05) and rates[1] == pytest.approx(2 / 3, abs=0.05)
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+def test_batch_size_schedule() -> None:
+    p = BatchSizeSchedule(TreeShape.chain(4), 100_000, 100_000, ((1, 4), (4, 2), (16, 0)))
+    assert [p.depth_for_batch(b) for b in (1, 3, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
+    assert p.plan(requests(5)) == [(1, 1)] * 5
+
+
+def test_a_noisy_dip_does_not_make_more_tokens_cheaper() -> None:
+    c = Curve(decay=1.0)
+    for x, y in ((1, 46.0), (2, 84.0), (4, 33.0), (8, 53.0), (32, 41.0)):  # measured on a loaded CPU
+        c.observe(x, y)
+    ys = [c(x) for x in (1, 2, 3, 4, 8, 16, 32, 64)]
+    assert ys == sorted(ys)
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
+
+
+def test_sampled_steps_are_priced_with_their_own_curves() -> None:
+    """Greedy steps measured memory-bound, sampled steps (laws travel, residuals sampled) compute-bound."""
+    p = policy(costs(**MEMORY_BOUND))
+    p.sampled_cost = costs(**COMPUTE_BOUND)
+    greedy, sampled = requests(4), requests(4, greedy=False, start=10)
+    for r in greedy + sampled:
+        teach(p, r, 0.85, seed=r.seq_id)
+    assert p.plan(greedy) == [(1,) * K_MAX] * 4
+    assert p.plan(sampled) == [()] * 4
