@@ -220,6 +220,10 @@ class PipelinedDrafter:
         self.stats.wall_s += time.perf_counter() - self._step_start
         return cached
 
+    def has_tree(self, seq_id: int) -> bool:
+        """The request's next tree is pre-drafted (its last round came out as predicted)."""
+        return seq_id in self._ready
+
     def _take_commits(self) -> list[DraftCommit]:
         commits = list(self._commits.values())
         self._commits.clear()
