@@ -131,7 +131,7 @@ class PipelinedDrafter:
             self._commits.pop(s, None)
             self._inflight.pop(s, None)
         trees: dict[int, DraftTree] = {}
-        msg = DraftStep(commits=self._take_commits(), finished=gone, prefills=self.calls.prefills(batch))
+        msg = DraftStep(finished=gone, prefills=self.calls.prefills(batch))
         for r, depth in zip(batch.rounds, batch.depths, strict=True):
             ready = self._ready.pop(r.seq_id, None)
             if depth == 0:
@@ -140,7 +140,9 @@ class PipelinedDrafter:
                 trees[r.seq_id] = prune(ready, depth)
             else:
                 msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(self.tree.branching[:depth])))
-        if msg.seqs or msg.prefills or msg.commits or msg.finished:
+        if msg.seqs or msg.prefills or msg.finished:
+            # Commits alone are no reason to wait for the draft: when every round hit they ride with the pre-draft.
+            msg.commits = self._take_commits()
             out = self.calls.run(msg)
             self.stats.draft_busy_s += out.elapsed_s
             trees.update({res.seq_id: res.trees[0] for res in out.results})
