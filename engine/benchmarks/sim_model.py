@@ -4,7 +4,7 @@ A step verifies one round per running request. Costs are numbers (milliseconds),
 can be replayed on this machine's costs or on a cluster's:
 
     sequential:  draft(depth) + 2 msg + verify(tokens) + 2 msg + state
-    pipelined:   [miss: draft(depth) + 2 msg | hit: hit_propose]
+    pipelined:   [miss: redraft(depth) + 2 msg | hit: hit_propose]
                  + max(verify(tokens) * (1 + overlap_slowdown) + 2 msg, predraft(depth) + 2 msg) + state
 
 A step *misses* when any of its rounds had no pre-drafted tree (or a prompt chunk had to be cached): the
@@ -33,15 +33,20 @@ class CostModel:
     state_ms: float = 0.0  # controller per step: schedule, counters, emit
     overlap_slowdown: float = 0.0  # verify slows by this fraction while the pre-draft runs beside it
     hit_propose_ms: float = 0.0  # a step where every round hit: what propose still waits for
+    redraft_ms_per_level: float | None = None  # a pipelined miss's re-draft level, if not a draft level
     source: str = ""
 
     def __post_init__(self) -> None:
         for k, v in asdict(self).items():
-            if isinstance(v, float | int) and not (math.isfinite(v) and v >= 0):
+            if isinstance(v, float | int) and not isinstance(v, bool) and not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"cost model {self.name!r}: {k} must be a finite number >= 0, got {v!r}")
 
     def draft(self, depth: int) -> float:
         return self.draft_fixed_ms + self.draft_ms_per_level * depth
+
+    def redraft(self, depth: int) -> float:
+        per = self.draft_ms_per_level if self.redraft_ms_per_level is None else self.redraft_ms_per_level
+        return self.draft_fixed_ms + per * depth
 
     def predraft(self, depth: int) -> float:
         # The in-flight chain and the prediction nodes take one more level than a re-draft.
@@ -81,7 +86,7 @@ def sequential_ms(s: StepShape, c: CostModel) -> float:
 def pipelined_ms(s: StepShape, c: CostModel, missed: bool) -> float:
     if s.depth == 0 and not s.prefill:
         return c.verify(s.tokens) + 2 * c.msg_ms + c.state_ms
-    head = c.draft(s.depth) + 2 * c.msg_ms if missed else c.hit_propose_ms
+    head = c.redraft(s.depth) + 2 * c.msg_ms if missed else c.hit_propose_ms
     verify = c.verify(s.tokens) * (1 + c.overlap_slowdown) + 2 * c.msg_ms
     return head + max(verify, c.predraft(s.depth) + 2 * c.msg_ms) + c.state_ms
 
