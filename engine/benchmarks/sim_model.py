@@ -96,7 +96,7 @@ class Result:
     tokens: int
     sequential_s: float
     pipelined_s: float
-    hidden_s: float  # pipelined with every round a hit and no slowdown: the "draft fully hidden" bound
+    hidden_s: float  # the "draft fully hidden" bound: every round a hit, drafting free, verify not slowed
     hit_rate: float  # measured, over rounds that carried a tree
     break_even: float | None  # the hit rate at which pipelining equals sequential (None: never)
 
@@ -140,7 +140,8 @@ def replay(steps: Iterable[Step], c: CostModel) -> Result:
     steps = list(steps)
     shapes = [shape(s) for s in steps]
     rounds = [r for s in steps for r in s.rounds if r.drafted > 0]
-    hidden = CostModel(**{**asdict(c), "overlap_slowdown": 0.0})
+    hidden = CostModel(**{**asdict(c), "overlap_slowdown": 0.0, "predraft_ms_per_level": 0.0, "draft_fixed_ms": 0.0,
+                          "hit_propose_ms": 0.0})
     return Result(tokens=sum(s.emitted for s in shapes),
                   sequential_s=sum(sequential_ms(s, c) for s in shapes) / 1e3,
                   pipelined_s=sum(pipelined_ms(s, c, s.missed) for s in shapes) / 1e3,
