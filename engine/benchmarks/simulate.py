@@ -135,7 +135,12 @@ def _summary(path: str) -> dict:
 def calibrate(args: argparse.Namespace) -> int:
     (_, chain), (_, pipe) = read_trace(args.chain), read_trace(args.pipelined)
     cs, ps = _summary(args.chain), _summary(args.pipelined)
-    c = fit_cpu(chain, cs, pipe, ps)
+    if args.costs:  # a held-out check: another run's fitted costs, on this run's traces
+        with open(args.costs, encoding="utf-8") as f:
+            d = json.load(f)
+        c = CostModel(**d.get("cost_model", d))
+    else:
+        c = fit_cpu(chain, cs, pipe, ps)
     print(f"fitted: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in c.__dict__.items()})}")
     sim_chain, sim_pipe = replay(chain, c).sequential_tok_s, replay(pipe, c).pipelined_tok_s
     meas_chain, meas_pipe = cs["tokens"] / cs["wall_s"], ps["tokens"] / ps["wall_s"]
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="fit this machine's costs, simulated vs measured")
     c.add_argument("--chain", required=True)
     c.add_argument("--pipelined", required=True)
-    c.add_argument("--json", default=None)
+    c.add_argument("--json", default=None, help="write the fitted cost model and the comparison here")
+    c.add_argument("--costs", default=None, help="do not fit: use this cost model (calibrate --json of another run)")
     c.set_defaults(func=calibrate)
     p = sub.add_parser("replay", help="sequential vs pipelined under cost models")
     p.add_argument("traces", nargs="+")
