@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.benchmarks.sim_model import CostModel, break_even, replay, shape
+from engine.benchmarks.sim_model import CostModel, break_even, hits_by_accepted, replay, shape
 from engine.benchmarks.simulate import GPU_COSTS
 from engine.benchmarks.simulate import main as simulate_main
 from engine.benchmarks.trace import RoundTrace, Step, TraceDrafter, read_trace
@@ -113,3 +113,13 @@ def test_replay_cli_on_a_trace_file(tmp_path, capsys):
     assert simulate_main(["replay", str(path), "--costs", f"gpu,{costs}"]) == 0
     table = capsys.readouterr().out
     assert "cost model unit" in table and "0.25" in table  # break-even of the unit model on this trace
+
+
+def test_hits_by_accepted_pairs_each_round_with_the_previous_one_of_its_request():
+    def rt(seq, acc, hit):
+        return RoundTrace(seq=seq, drafted=4, accepted=acc, emitted=acc + 1, hit=hit)
+
+    trace = [Step([rt(0, 4, False), rt(1, 1, False)]),  # first rounds: nothing before them
+             Step([rt(0, 2, True), rt(1, 0, False)]),  # after 4 accepted: hit; after 1: miss
+             Step([rt(0, 4, True), rt(1, 4, True)])]  # after 2: hit; after 0: hit
+    assert hits_by_accepted(trace) == {0: (1, 1), 1: (0, 1), 2: (1, 1), 4: (1, 1)}

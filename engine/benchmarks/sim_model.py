@@ -148,3 +148,19 @@ def replay(steps: Iterable[Step], c: CostModel) -> Result:
                   hidden_s=sum(pipelined_ms(s, hidden, s.prefill) for s in shapes) / 1e3,
                   hit_rate=sum(r.hit is True for r in rounds) / len(rounds) if rounds else 0.0,
                   break_even=break_even(shapes, c))
+
+
+def hits_by_accepted(steps: Iterable[Step]) -> dict[int, tuple[int, int]]:
+    """accepted length of round r -> (rounds r+1 of the same request that hit, rounds r+1 seen): where the
+    pipeline's predictions come true, by the position the previous round stopped at."""
+    last: dict[int, int] = {}  # seq -> accepted length of its last round
+    out: dict[int, tuple[int, int]] = {}
+    for step in steps:
+        for r in step.rounds:
+            if r.drafted == 0:
+                continue
+            if r.seq in last and r.hit is not None:
+                h, n = out.get(last[r.seq], (0, 0))
+                out[last[r.seq]] = (h + bool(r.hit), n + 1)
+            last[r.seq] = r.accepted
+    return dict(sorted(out.items()))

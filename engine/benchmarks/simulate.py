@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 
-from engine.benchmarks.sim_model import CostModel, replay
+from engine.benchmarks.sim_model import CostModel, hits_by_accepted, replay
 from engine.benchmarks.trace import Step, TraceDrafter, read_trace
 
 # Published-shape costs, not measurements: Llama-3.1-70B (bf16, 141 GB) at TP 8 on H100 SXM (3.35 TB/s) verifies
@@ -154,6 +154,15 @@ def calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_hits(traces: list[str]) -> None:
+    print("\nhit rate of round r+1 by round r's accepted length (hits/rounds):")
+    for path in traces:
+        header, steps = read_trace(path)
+        by = hits_by_accepted(steps)
+        cells = "  ".join(f"{j}: {h}/{n}" for j, (h, n) in by.items())
+        print(f"  T={header.get('temperature')} b={header.get('batch')} {os.path.basename(path)}: {cells or '-'}")
+
+
 def print_table(traces: list[str], models: list[CostModel]) -> None:
     for c in models:
         numbers = {k: v for k, v in c.__dict__.items() if k not in ("name", "source")}
@@ -208,6 +217,7 @@ def _replay(args: argparse.Namespace) -> int:
                 d = json.load(f)
             models.append(CostModel(**d.get("cost_model", d)))
     print_table(args.traces, models)
+    print_hits(args.traces)
     return 0
 
 
