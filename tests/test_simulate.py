@@ -34,6 +34,8 @@ def test_replay_known_times():
     assert r.hidden_s == pytest.approx(4 * 4e-3)  # verify alone
     assert r.hit_rate == pytest.approx(0.75)
     assert r.pipelined_tok_s == pytest.approx(12 / 24e-3)
+    # never waiting: the missed first round verifies no tree (1 token), every step takes max(4, 5) ms
+    assert (r.nowait_tokens, r.nowait_s) == (1 + 3 * 3, pytest.approx(4 * 5e-3))
 
 
 def test_break_even_known_answers():

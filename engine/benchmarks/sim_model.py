@@ -99,6 +99,12 @@ class Result:
     hidden_s: float  # the "draft fully hidden" bound: every round a hit, drafting free, verify not slowed
     hit_rate: float  # measured, over rounds that carried a tree
     break_even: float | None  # the hit rate at which pipelining equals sequential (None: never)
+    nowait_tokens: int = 0  # a policy that never waits for a re-draft: a missed round verifies no tree
+    nowait_s: float = 0.0
+
+    @property
+    def nowait_tok_s(self) -> float:
+        return self.nowait_tokens / self.nowait_s if self.nowait_s else 0.0
 
     @property
     def sequential_tok_s(self) -> float:
@@ -136,6 +142,17 @@ def break_even(shapes: list[StepShape], c: CostModel) -> float | None:
     return hi
 
 
+def nowait(steps: list[Step], c: CostModel) -> tuple[int, float]:
+    """Tokens and seconds if a step never waited for a re-draft: a round that missed verifies no tree and emits
+    one token, the others as recorded. An estimate: the trace's later rounds followed the recorded ones."""
+    tokens, ms = 0, 0.0
+    for step in steps:
+        s = shape(step)
+        ms += pipelined_ms(s, c, s.prefill)
+        tokens += sum(r.emitted if r.hit or r.drafted == 0 else 1 for r in step.rounds)
+    return tokens, ms / 1e3
+
+
 def replay(steps: Iterable[Step], c: CostModel) -> Result:
     steps = list(steps)
     shapes = [shape(s) for s in steps]
@@ -147,7 +164,8 @@ def replay(steps: Iterable[Step], c: CostModel) -> Result:
                   pipelined_s=sum(pipelined_ms(s, c, s.missed) for s in shapes) / 1e3,
                   hidden_s=sum(pipelined_ms(s, hidden, s.prefill) for s in shapes) / 1e3,
                   hit_rate=sum(r.hit is True for r in rounds) / len(rounds) if rounds else 0.0,
-                  break_even=break_even(shapes, c))
+                  break_even=break_even(shapes, c), **dict(zip(("nowait_tokens", "nowait_s"), nowait(steps, c),
+                                                               strict=True)))
 
 
 def hits_by_accepted(steps: Iterable[Step]) -> dict[int, tuple[int, int]]:

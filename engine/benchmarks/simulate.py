@@ -168,7 +168,7 @@ def print_table(traces: list[str], models: list[CostModel]) -> None:
         numbers = {k: v for k, v in c.__dict__.items() if k not in ("name", "source")}
         print(f"\ncost model {c.name}: {c.source}\n  {json.dumps(numbers)}")
         print(f"  {'trace':<28} {'hit':>5} {'seq tok/s':>9} {'pipe tok/s':>10} {'ratio':>6} {'hidden':>6} "
-              f"{'break-even hit':>14}")
+              f"{'break-even hit':>14} {'no-wait':>7}")
         for path in traces:
             header, steps = read_trace(path)
             r = replay(steps, c)
@@ -176,7 +176,7 @@ def print_table(traces: list[str], models: list[CostModel]) -> None:
             be = "never" if r.break_even is None else f"{r.break_even:.2f}"
             print(f"  {name[:28]:<28} {r.hit_rate:>5.2f} {r.sequential_tok_s:>9.1f} {r.pipelined_tok_s:>10.1f} "
                   f"{r.pipelined_tok_s / r.sequential_tok_s:>5.2f}x {r.hidden_tok_s / r.sequential_tok_s:>5.2f}x "
-                  f"{be:>14}")
+                  f"{be:>14} {r.nowait_tok_s / r.sequential_tok_s:>6.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
