@@ -81,6 +81,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from engine.benchmarks import sweep
 
         return sweep.main(args.rest)
+    if args.name == "simulate":
+        from engine.benchmarks import simulate
+
+        return simulate.main(args.rest)
     from engine.benchmarks import compare
 
     return compare.main(args.rest)
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the lines an earlier (killed) run wrote to --output and run only the rest")
     g.set_defaults(func=cmd_generate)
     b = sub.add_parser("bench", help="benchmarks: 'compare' runs every decoding mode side by side")
-    b.add_argument("name", choices=["compare", "serve", "sweep"])
+    b.add_argument("name", choices=["compare", "serve", "simulate", "sweep"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help after the name)")
     b.set_defaults(func=cmd_bench)
     server_cli.add_parser(sub)

@@ -133,7 +133,7 @@ class PipelinedDrafter:
             self._commits.pop(s, None)
             self._inflight.pop(s, None)
         trees: dict[int, DraftTree] = {}
-        msg = DraftStep(commits=self._take_commits(), finished=gone, prefills=self.calls.prefills(batch))
+        msg = DraftStep(finished=gone, prefills=self.calls.prefills(batch))
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             ready = self._ready.pop(r.seq_id, None)
             if not shape:
@@ -145,7 +145,9 @@ class PipelinedDrafter:
             else:  # the draft may hold every token already (a prediction came true, its tree did not fit the
                 #      shape): re-feed the last one, harmless (same KV), so the tree has a row to grow from
                 msg.seqs.append(self.calls.seq(r, min(r.num_cached_draft, r.num_tokens - 1), list(shape)))
-        if msg.seqs or msg.prefills or msg.commits or msg.finished:
+        if msg.seqs or msg.prefills or msg.finished:
+            # Commits alone are no reason to wait for the draft: when every round hit they ride with the pre-draft.
+            msg.commits = self._take_commits()
             out = self.calls.run(msg)
             self.stats.draft_busy_s += out.elapsed_s
             trees.update({res.seq_id: res.trees[0] for res in out.results})
@@ -227,6 +229,10 @@ class PipelinedDrafter:
                 self._ready[r.seq_id] = (m.tree, pre.branching)
         self.stats.wall_s += time.perf_counter() - self._step_start
         return cached
+
+    def has_tree(self, seq_id: int) -> bool:
+        """The request's next tree is pre-drafted (its last round came out as predicted)."""
+        return seq_id in self._ready
 
     def _take_commits(self) -> list[DraftCommit]:
         commits = list(self._commits.values())
