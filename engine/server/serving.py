@@ -328,7 +328,11 @@ def _sse(obj: BaseModel) -> bytes:
 
 def _encode(tok: Any, text: str, field: str, **kw: Any) -> list[int]:
     try:
-        return tok.encode(text, **kw)
+        text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in the JSON body) is not text a tokenizer takes
-        raise APIError(400, f"{field}: not valid Unicode text ({e.reason}); a lone surrogate escape such as "
-                            "\\ud800 has no UTF-8 encoding", field) from e
+        raise APIError(400, f"{field}: not valid Unicode text ({e.reason} at character {e.start}); a lone "
+                            "surrogate escape such as \\ud800 has no UTF-8 encoding", field) from None
+    try:
+        return tok.encode(text, **kw)
+    except Exception as e:  # the tokenizer refuses this one text: a 400 for this request, never a 500
+        raise APIError(400, f"{field}: the tokenizer refused it ({type(e).__name__}: {e})", field) from None
