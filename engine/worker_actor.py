@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine import codec
+from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -171,8 +172,9 @@ class WorkerProcess:
         lock = threading.Lock()  # Ray calls and the zmq loop may both run steps: one sender at a time
 
         def send(laws) -> None:
+            frame = codec.encode([pack_laws(d) for d in laws])  # compact: supports, exact float32
             with lock:
-                push.send(codec.encode(laws), copy=False)
+                push.send(frame, copy=False)
 
         self.worker.law_sink = send
 
