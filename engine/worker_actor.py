@@ -20,6 +20,7 @@ import torch
 
 from engine import codec
 from engine.frames import FrameAuth
+from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -198,8 +199,9 @@ class WorkerProcess:
         auth = FrameAuth(self.secret, f"the law sender of draft rank {self.rank}")
 
         def send(laws) -> None:
+            frame = codec.encode([pack_laws(d) for d in laws])  # compact: supports, exact float32
             with lock:
-                push.send_multipart(auth.seal([codec.encode(laws)]), copy=False)
+                push.send_multipart(auth.seal([frame]), copy=False)
 
         self.worker.law_sink = send
 

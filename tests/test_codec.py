@@ -15,7 +15,7 @@ import torch
 
 from engine import codec
 from workers import messages as m
-from workers.law_channel import pack_laws, unpack_laws
+from workers.law_channel import DraftLaws, pack_laws, unpack_laws
 
 SPEC = m.SamplingSpec(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, seed=(1 << 63) - 1)
 GREEDY = m.SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None)
@@ -61,7 +61,7 @@ def _examples() -> dict[str, object]:
         "VerifyResult": result,
         "TargetStepOutput": m.TargetStepOutput(first_tokens={3: 17, 12: 0}, results=[result], elapsed_s=1e-3),
         "WorkerReply": m.WorkerReply(result=m.TargetStepOutput(first_tokens={}, results=[result])),
-        "TreeLaws": pack_laws(3, 12, [probs[0], probs[1].where(probs[1] > 0.005, 0.0)], V),
+        "TreeLaws": pack_laws(DraftLaws.of(3, 12, [probs[0], probs[1].where(probs[1] > 0.005, 0.0)])),
     }
 
 
@@ -132,7 +132,7 @@ def test_float32_probabilities_arrive_unchanged() -> None:
     truncated = torch.zeros(4096).scatter(0, top.indices, top.values / top.values.sum())
     shared = q[0]
     laws = [shared, shared, truncated, q[2]]
-    msg = codec.decode(codec.encode(pack_laws(0, 5, laws, 4096)))
+    msg = codec.decode(codec.encode(pack_laws(DraftLaws.of(0, 5, laws))))
     assert msg.sizes == [-1, 50, -1] and msg.node_law == [0, 0, 1, 2]  # the shared law travels once
     out = unpack_laws(msg, 4, "cpu")
     assert out.dtype == torch.float32

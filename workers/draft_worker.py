@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.input_batch import SeqForward
-from workers.law_channel import TreeLaws, pack_laws
+from workers.law_channel import DraftLaws
 from workers.messages import (
     CommitSpec,
     DraftCommit,
@@ -118,7 +118,7 @@ class DraftWorker(WorkerBase):
         self._next_tree_id = 0  # the same on every rank: each rank drafts the same trees
         # Where the laws of sampled trees go (the verifier's LawStore, or a socket to it); None: nowhere (ranks
         # other than 0).
-        self.law_sink: Callable[[list[TreeLaws]], None] | None = None
+        self.law_sink: Callable[[list[DraftLaws]], None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -287,14 +287,14 @@ class DraftWorker(WorkerBase):
                     row += 1
                 t.frontier = new_frontier
 
-    def _finish(self, seq_id: int, t: _Tree, depth: int, laws: list[TreeLaws]) -> DraftTree:
+    def _finish(self, seq_id: int, t: _Tree, depth: int, laws: list[DraftLaws]) -> DraftTree:
         """The tree as ints; a sampled tree's laws are queued for the verifier under a new tree id."""
         scores = None
         tree_id = -1
         if t.laws:
-            scores = [float(law[tok]) for law, tok in zip(t.laws, t.tokens, strict=True)]  # q_i(x_i)
             tree_id = self._next_tree_id
             self._next_tree_id += 1
-            laws.append(pack_laws(seq_id, tree_id, t.laws, self.vocab_size))
+            laws.append(DraftLaws.of(seq_id, tree_id, t.laws))
+            scores = laws[-1].node_probs(t.tokens)  # q_i(x_i)
         return DraftTree(list(t.tokens), list(t.parents), tree_id, max(0, depth - 1),
                          most_probable_path(t.parents, scores))

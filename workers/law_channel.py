@@ -6,7 +6,8 @@ rank that verifies reads them, so the draft worker hands them over directly (in-
 Ray: a zmq PUSH from draft rank 0 to target rank 0, see engine/worker_actor.py) and the controller sends the
 target only the tree's id.
 
-Compact and exact: a law is sent as its support, the token ids it gives mass > 0, with their float32
+In-process the draft's tensors are handed over as they are (``DraftLaws``). On a socket (``TreeLaws``),
+compact and exact: a law is sent as its support, the token ids it gives mass > 0, with their float32
 probabilities exactly as sampled (the bits the draft drew from: no rounding, no approximation). After top-k /
 top-p / min-p the support is small; a law whose support is more than half the vocabulary (plain temperature
 sampling) goes dense, which is never larger than before. Siblings drawn i.i.d. share their parent's law: it is
@@ -31,55 +32,74 @@ class TreeLaws:
     tree_id: int  # unique per draft worker, in drafting order
     vocab: int
     node_law: list[int]  # law index of every node
-    sizes: list[int]  # per law: support size, or -1 for a dense law (``vocab`` probabilities, every id)
+    sizes: list[int]  # per law: support size, or -1 for a dense law
     ids: Any = None  # int32 [sum of sparse sizes]: the support ids of the sparse laws, in law order
-    probs: Any = None  # float32 [sum of sizes, a dense law counting vocab]: the probabilities, in law order
+    probs: Any = None  # float32 [sum of sparse sizes]: their probabilities, aligned with ids
+    dense: Any = None  # float32 [dense laws, vocab]: the dense laws, in law order
 
 
-def pack_laws(seq_id: int, tree_id: int, laws: list[torch.Tensor], vocab: int) -> TreeLaws:
-    """laws: the [V] law of every node, in node order; the same tensor object for nodes that share a law."""
-    index: dict[int, int] = {}
-    node_law: list[int] = []
-    unique: list[torch.Tensor] = []
-    for law in laws:
-        key = id(law)
-        if key not in index:
-            index[key] = len(unique)
-            unique.append(law)
-        node_law.append(index[key])
-    sizes: list[int] = []
-    ids: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    for law in unique:
-        law = law.float().cpu()
-        support = law.nonzero().squeeze(1)  # [S]
-        if 2 * support.numel() > vocab:  # ids + probs would outweigh the dense row
-            sizes.append(-1)
-            probs.append(law)
-        else:
-            sizes.append(support.numel())
-            ids.append(support.to(torch.int32))
-            probs.append(law.index_select(0, support))
-    empty_i, empty_f = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.float32)
-    return TreeLaws(seq_id, tree_id, vocab, node_law, sizes, torch.cat(ids) if ids else empty_i,
-                    torch.cat(probs) if probs else empty_f)
+@dataclass
+class DraftLaws:
+    """A drafted tree's laws as the draft holds them: handed over as is in-process, packed for a socket."""
+
+    seq_id: int
+    tree_id: int
+    node_law: list[int]  # law index of every node
+    table: torch.Tensor  # [U, V] float32: the distinct laws
+
+    @classmethod
+    def of(cls, seq_id: int, tree_id: int, laws: list[torch.Tensor]) -> DraftLaws:
+        """laws: the [V] law of every node, in node order; the same tensor object for nodes sharing a law."""
+        index: dict[int, int] = {}
+        node_law: list[int] = []
+        unique: list[torch.Tensor] = []
+        for law in laws:
+            if id(law) not in index:
+                index[id(law)] = len(unique)
+                unique.append(law)
+            node_law.append(index[id(law)])
+        return cls(seq_id, tree_id, node_law, torch.stack(unique).float())
+
+    def node_probs(self, tokens: list[int]) -> list[float]:
+        """q_i(x_i): each node's probability under the law it was drawn from."""
+        rows = torch.tensor(self.node_law, dtype=torch.long, device=self.table.device)
+        cols = torch.tensor(tokens, dtype=torch.long, device=self.table.device)
+        return self.table[rows, cols].tolist()
+
+    def rows(self, num_nodes: int, device: torch.device | str) -> torch.Tensor:
+        """[num_nodes, V]: the first nodes' laws (a tree pruned to a depth keeps a prefix of its nodes)."""
+        index = torch.tensor(self.node_law[:num_nodes], dtype=torch.long, device=self.table.device)
+        return self.table.index_select(0, index).to(device)
+
+
+def pack_laws(laws: DraftLaws) -> TreeLaws:
+    """The wire form: sparse laws as (ids, probabilities), the others dense; values bit for bit."""
+    table = laws.table.cpu()  # [U, V]
+    vocab = table.shape[1]
+    counts = (table > 0).sum(dim=1).tolist()  # support sizes
+    is_dense = [2 * c > vocab for c in counts]  # ids + probs would outweigh the dense row
+    sparse = table[[i for i, d in enumerate(is_dense) if not d]]  # [Us, V]
+    nz = sparse.nonzero()  # [S, 2], row by row, ids ascending: one pass for every sparse law
+    return TreeLaws(laws.seq_id, laws.tree_id, vocab, laws.node_law,
+                    [-1 if d else c for d, c in zip(is_dense, counts, strict=True)],
+                    nz[:, 1].to(torch.int32), sparse[nz[:, 0], nz[:, 1]],
+                    table if all(is_dense) else table[[i for i, d in enumerate(is_dense) if d]])
 
 
 def unpack_laws(msg: TreeLaws, num_nodes: int, device: torch.device | str) -> torch.Tensor:
     """The first ``num_nodes`` nodes' laws as a dense [num_nodes, V] float32 tensor, bit-identical to what the
     draft sampled from (a tree pruned to a depth keeps a prefix of its nodes)."""
     rows: list[torch.Tensor] = []
-    id_at = prob_at = 0
+    at = dense_at = 0
     for size in msg.sizes:
         if size < 0:
-            rows.append(msg.probs[prob_at: prob_at + msg.vocab])
-            prob_at += msg.vocab
+            rows.append(msg.dense[dense_at])
+            dense_at += 1
         else:
             row = torch.zeros(msg.vocab, dtype=torch.float32)
-            row[msg.ids[id_at: id_at + size].long()] = msg.probs[prob_at: prob_at + size]
+            row[msg.ids[at: at + size].long()] = msg.probs[at: at + size]
             rows.append(row)
-            id_at += size
-            prob_at += size
+            at += size
     if num_nodes == 0:
         return torch.empty(0, msg.vocab, device=device)
     index = torch.tensor(msg.node_law[:num_nodes], dtype=torch.long)
@@ -96,13 +116,13 @@ class LawStore:
     """
 
     timeout_s: float = 600.0
-    _laws: dict[int, TreeLaws] = field(default_factory=dict)
+    _laws: dict[int, TreeLaws | DraftLaws] = field(default_factory=dict)
     _by_seq: dict[int, list[int]] = field(default_factory=dict)
     _finished: set[int] = field(default_factory=set)  # a late frame for these is dropped on arrival
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _error: str | None = None
 
-    def put(self, laws: list[TreeLaws]) -> None:
+    def put(self, laws: list[TreeLaws] | list[DraftLaws]) -> None:
         with self._cond:
             for t in laws:
                 if t.seq_id in self._finished:
@@ -134,6 +154,8 @@ class LawStore:
             for t in older:
                 self._laws.pop(t, None)
             self._by_seq[seq_id] = [t for t in self._by_seq.get(seq_id, []) if t >= tree_id]
+        if isinstance(msg, DraftLaws):  # handed over in-process: no packing
+            return msg.rows(num_nodes, device)
         return unpack_laws(msg, num_nodes, device)
 
     def drop(self, seq_ids: list[int]) -> None:

@@ -81,8 +81,10 @@ def measure_bytes(target: str, draft: str, args, sampling: dict) -> dict:
     ex.submit_target, ex.wait_target = submit_target, wait_target
     sink = getattr(ex.draft, "law_sink", None)
     if sink is not None:  # the laws' own channel (trees whose q goes to the verifier directly)
-        def law_sink(laws):
-            sizes["draft->target (laws)"] += len(codec.encode(laws))
+        from workers import law_channel
+
+        def law_sink(laws):  # what the Ray executor's socket carries: the packed laws
+            sizes["draft->target (laws)"] += len(codec.encode([law_channel.pack_laws(d) for d in laws]))
             return sink(laws)
 
         ex.draft.law_sink = law_sink
