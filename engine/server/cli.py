@@ -91,6 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     try:
         metrics = ServerMetrics(name)
+        if engine.recovery is not None:  # Ray workers: restarts and recovery time next to the serving metrics
+            from engine.recovery import RecoveryCollector
+
+            metrics.registry.register(RecoveryCollector(engine.recovery.stats))
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
                                    metrics=metrics)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
