@@ -262,12 +262,14 @@ class LLMEngine:
         return self._finished_outputs
 
     def _step(self) -> None:
-        before = dataclasses.replace(self.times)
+        policy = self.scheduler.policy
+        learns = policy is not None and policy.measures_costs  # only the adaptive policy reads step times
+        before = dataclasses.replace(self.times) if learns else None
         clock = self.times.clock()
         batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
-        sample = self._step_shape(batch)  # what the step runs, read before the counters move
+        sample = self._step_shape(batch) if learns else None  # what the step runs, before the counters move
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
@@ -284,12 +286,16 @@ class LLMEngine:
             self.stats.record_choice(shape if n else ())
         self._emit_step(batch, out)  # emit
         clock.lap("commit_s")
-        if self.scheduler.policy is not None:  # the adaptive policy's cost model learns the measured times
-            t = self.times
-            sample.verify_s = t.verify_wall_s - before.verify_wall_s
-            sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
-            sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
-            self.scheduler.policy.observe_step(sample)
+        if learns:  # the adaptive policy's cost model learns the measured times
+            policy.observe_step(self._timed(sample, before))
+
+    def _timed(self, sample: StepSample, before: StepTimes) -> StepSample:
+        """``sample`` with the step's measured times: what ``self.times`` gained since ``before``."""
+        t = self.times
+        sample.verify_s = t.verify_wall_s - before.verify_wall_s
+        sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
+        sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
+        return sample
 
     @staticmethod
     def _step_shape(batch: ScheduledBatch) -> StepSample:

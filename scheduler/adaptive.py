@@ -62,6 +62,7 @@ class _Plan:
 
 @dataclass
 class AdaptivePolicy:
+    measures_costs = True  # learns its cost curves from every step's measured times (observe_step)
     base: SpecPolicy  # the configured tree (K_max = its depth) and the context caps
     cost: CostModel = field(default_factory=CostModel)  # steps of greedy requests only
     # Steps with sampled requests cost more per node (their draft laws travel to the verifier, and verification

@@ -63,6 +63,8 @@ class SpecPolicy:
     measured costs and acceptance, ``BatchSizeSchedule`` by vLLM's batch-size table.
     """
 
+    measures_costs = False  # a fixed schedule: the engine need not time its steps for it
+
     tree: TreeShape
     max_model_len: int  # the target's context
     draft_max_len: int  # the draft's context: past it the draft still runs but proposes poorly (vLLM stops too)
