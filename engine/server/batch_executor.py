@@ -78,12 +78,7 @@ class ServingExecutor:
     async def _chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         s = self.serving
         _no_stream(req)
-        s.check_model(req.model)
-        ids = s.render_chat(req)
-        requested = req.requested_max_tokens
-        max_tokens = requested if requested is not None else max(1, s.engine.max_model_len - len(ids))
-        params = s.sampling_params(req, max_tokens)
-        s.check_length([ids], requested, "messages")
+        ids, params = s.prepare_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (r,) = await self._run(rid, [ids], params, "messages")
         return ChatCompletionResponse(

@@ -192,7 +192,8 @@ class Serving:
             self._abort_unfinished(streams)
 
     # -------------------------------------------------------------------------------------------- chat
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[list[int], Any]:
+        """The prompt ids and sampling parameters of a chat request (online or a batch line); 400s name the field."""
         self.check_model(req.model)
         ids = self.render_chat(req)
         requested = req.requested_max_tokens
@@ -200,6 +201,10 @@ class Serving:
         max_tokens = requested if requested is not None else max(1, self.engine.max_model_len - len(ids))
         params = self.sampling_params(req, max_tokens)
         self.check_length([ids], requested, "messages")
+        return ids, params
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        ids, params = self.prepare_chat(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(rid, [ids], [params], "messages")
         if req.stream:
