@@ -47,6 +47,9 @@ class SpeculativeConfig:
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted);
+      ``draft_process``: with tensor_parallel_size 1, run the draft in a local process of its own instead of a
+      thread beside the target (engine/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
+      role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
       tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
       ``num_speculative_tokens``) until measurements show the policy at least matching the best fixed depth;
@@ -63,6 +66,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1  # independent of the target's
     pipeline: bool = False
     pipeline_width: int = 2
+    draft_process: bool = False
+    draft_cores: list[int] | None = None
+    target_cores: list[int] | None = None
     quantization: str | None = None
     adaptive: bool | None = None  # None: off (opt-in while it measures slower than a fixed depth at batch 1)
     num_speculative_tokens_per_batch_size: dict | list | None = None
@@ -90,6 +96,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.pipeline_width must be an integer in [0, 8], got {w!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"speculative_config.pipeline must be true or false, got {self.pipeline!r}")
+        if not isinstance(self.draft_process, bool):
+            raise ValueError(f"speculative_config.draft_process must be true or false, got {self.draft_process!r}")
+        for name in ("draft_cores", "target_cores"):
+            cores = getattr(self, name)
+            if cores is not None and (not isinstance(cores, (list, tuple)) or not cores or not all(
+                    isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores)):
+                raise ValueError(f"speculative_config.{name} must be a non-empty list of CPU core numbers "
+                                 f"(0 .. 4095), got {cores!r}")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.num_speculative_tokens_per_batch_size is not None:
@@ -101,6 +115,12 @@ class SpeculativeConfig:
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    @property
+    def process_options(self) -> dict:
+        """Where the draft runs (engine/executor.py make_executor)."""
+        return {"draft_process": self.draft_process, "draft_cores": self.draft_cores,
+                "target_cores": self.target_cores}
 
     @property
     def is_adaptive(self) -> bool:

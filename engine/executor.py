@@ -69,9 +69,18 @@ class LocalExecutor:
         self.draft = None
 
 
-def make_executor(parallel: ParallelConfig, target: WorkerConfig, draft: WorkerConfig | None) -> Executor:
+def make_executor(parallel: ParallelConfig, target: WorkerConfig, draft: WorkerConfig | None,
+                  draft_process: bool = False, draft_cores: list[int] | None = None,
+                  target_cores: list[int] | None = None) -> Executor:
     if parallel.resolved_backend == "uni":
+        if draft is not None and draft_process:
+            from engine.draft_process import DraftProcessExecutor
+
+            return DraftProcessExecutor(target, draft, draft_cores, target_cores)
         return LocalExecutor(target, draft)
+    if draft_process:
+        raise ValueError("speculative_config.draft_process is for tensor_parallel_size 1 on one machine: with Ray "
+                         "the draft already runs in an actor of its own")
     from engine.ray_executor import RayExecutor
 
     return RayExecutor(parallel, target, draft)

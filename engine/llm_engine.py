@@ -81,7 +81,7 @@ class LLMEngine:
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
                                                    quantization=config.quantization),
-                                      draft_cfg)
+                                      draft_cfg, **(spec.process_options if spec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         policy = None
