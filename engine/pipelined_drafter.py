@@ -5,19 +5,19 @@ One step, seen from this drafter (engine/drafter.py has the interface):
 1. ``propose``: a request whose last round came out as predicted has its next tree ready (a *hit*); every
    other request is drafted now from its real prefix (a *miss*), in one draft call.
 2. ``overlap``, right after the target call is submitted: predict each request's outcome and pre-draft round
-   r+1's tree for the ``width`` likeliest predicted outcomes, in one draft call that runs during verification.
+   r+1's trees for the predicted outcomes worth most (at most ``width``), in one draft call that runs
+   during verification.
 3. ``commit``, once the target answered: wait for the pre-draft, match it against the real outcome, keep the
    draft KV of the longest predicted prefix that came true (sent with the next draft call) and the pre-drafted
    tree if its prefix is exactly the real one.
 
-Predicted outcomes follow the draft's most probable path through the tree (``DraftTree.likely_path``):
-
-- rejection at depth j of that path, the draft's best token not among the children tried there standing in
-  for the recovered token;
-- full acceptance, then the draft's top tokens at the leaf as the bonus token.
-
-Their likelihood comes from the acceptance rates measured so far (P(exactly j accepted) per depth), so a draft
-that is rarely accepted pre-drafts for early rejections and a good draft for full acceptance.
+Predicted outcomes: a round ends (accepted length j, next token). The round in flight goes to the draft as
+prediction nodes along its most probable path (``DraftTree.likely_path``), with one guess point per way it can
+end — rejected at depth j (the next token off the children tried there) or all accepted (a bonus token) —
+weighted by P(that j) from the acceptance rates measured so far. The draft worker, which has its q along the
+path, estimates the next token's law there and pre-drafts the outcomes worth most, per request per round: the
+best always, more while P(outcome) pays for the marginal cost of one more tree (``OutcomeCosts``, measured),
+at most ``width`` (workers/outcome_choice.py).
 
 Lossless: a pre-drafted tree is used only when its prefix equals the real one, and its draws come from the
 stream keyed by that prefix (workers/draft_worker.py), so it is exactly the tree a re-draft would propose:
@@ -45,21 +45,97 @@ from workers.tree_topology import children_lists, prune_to_depth
 class PipelineStats:
     predrafted: int = 0  # rounds whose next tree was pre-drafted
     hits: int = 0  # ... and whose real outcome matched a prediction
+    outcomes: int = 0  # pre-drafted trees (outcomes prepared), over all pre-drafted rounds
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     draft_hidden_s: float = 0.0  # draft time that ran while the target was verifying
     wall_s: float = 0.0
+    # [pre-drafted rounds, hits] by the round's real outcome: accepted length ("4" = all of a K=4 chain, then a
+    # bonus token) and by the request's temperature ("0" = greedy).
+    by_position: dict[str, list[int]] = field(default_factory=dict)
+    by_temperature: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, accepted: int, temperature: float, hit: bool) -> None:
+        self.predrafted += 1
+        self.hits += hit
+        for table, key in ((self.by_position, str(accepted)),
+                           (self.by_temperature, "0" if temperature < 1e-5 else f"{temperature:g}")):
+            row = table.setdefault(key, [0, 0])
+            row[0] += 1
+            row[1] += hit
 
     def as_dict(self) -> dict:
+        def rates(table: dict[str, list[int]]) -> dict:
+            return {k: {"rounds": n, "hits": h, "hit_rate": round(h / n, 4)}
+                    for k, (n, h) in sorted(table.items(), key=lambda kv: float(kv[0]))}
+
         return {
             "predrafted_rounds": self.predrafted,
             "hits": self.hits,
             "hit_rate": round(self.hits / self.predrafted, 4) if self.predrafted else 0.0,
+            "outcomes_per_round": round(self.outcomes / self.predrafted, 3) if self.predrafted else 0.0,
+            "hit_rate_by_position": rates(self.by_position),
+            "hit_rate_by_temperature": rates(self.by_temperature),
             "draft_hidden_s": round(self.draft_hidden_s, 4),
             "draft_idle_s": round(max(0.0, self.wall_s - self.draft_busy_s), 4),
             "target_idle_s": round(max(0.0, self.wall_s - self.target_busy_s), 4),
             "wall_s": round(self.wall_s, 4),
         }
+
+
+HIDDEN_COST = 0.25  # the share of a pre-draft's time charged while it hides behind verification: it still
+#                    competes for memory bandwidth (and, in a thread, the interpreter lock) with the target
+
+
+@dataclass
+class OutcomeCosts:
+    """Measured costs for choosing how many outcomes to pre-draft: a hit saves a re-draft, one more pre-drafted
+    outcome costs its marginal draft time (charged in full only when the pre-draft outlasts verification).
+
+    Pre-draft time vs outcomes in the call is a decaying least-squares line t = a + b * n; the re-draft a hit
+    saves is the re-draft call's time per sequence in it. ``min_value`` = marginal cost / saving: an outcome is
+    worth pre-drafting if its probability of being the one used is at least that."""
+
+    decay: float = 0.95
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sums of 1, n, t, n*n, n*t (decayed)
+    _redraft_s: float | None = None  # per sequence
+    _verify_s: float | None = None
+    _seen: int = 0
+
+    def observe_predraft(self, elapsed_s: float, outcomes: int) -> None:
+        n = float(outcomes)
+        self._s = [self.decay * v + x for v, x in zip(self._s, (1.0, n, elapsed_s, n * n, n * elapsed_s),
+                                                       strict=True)]
+        self._seen += 1
+
+    def observe_redraft(self, elapsed_s: float, seqs: int) -> None:
+        if seqs:
+            self._redraft_s = _ewma(self._redraft_s, elapsed_s / seqs)
+
+    def observe_verify(self, elapsed_s: float) -> None:
+        self._verify_s = _ewma(self._verify_s, elapsed_s)
+
+    def line(self) -> tuple[float, float]:
+        """(a, b) of t = a + b * n; b from the mean alone while n has not varied."""
+        s0, sn, st, snn, snt = self._s
+        var = snn * s0 - sn * sn
+        if s0 <= 0 or sn <= 0:
+            return 0.0, 0.0
+        b = (snt * s0 - sn * st) / var if var > 1e-9 * s0 * s0 else st / sn
+        b = max(b, 0.0)
+        return max(st / s0 - b * sn / s0, 0.0), b
+
+    def min_value(self) -> float:
+        if self._seen < 8 or not self._redraft_s or self._verify_s is None:
+            return 0.0  # before measurements: the full budget
+        a, b = self.line()
+        s0, sn = self._s[0], self._s[1]
+        exposed = a + b * sn / s0 > self._verify_s  # the typical pre-draft outlasts verification
+        return (b if exposed else HIDDEN_COST * b) / self._redraft_s
+
+
+def _ewma(old: float | None, new: float, keep: float = 0.9) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
 
 
 @dataclass
@@ -116,6 +192,7 @@ class PipelinedDrafter:
     acceptance: SpecDecodingStats  # measured acceptance, read to rank the predicted outcomes
     width: int = 2  # predicted outcomes pre-drafted per request
     stats: PipelineStats = field(default_factory=PipelineStats)
+    costs: OutcomeCosts = field(default_factory=OutcomeCosts)
     _ready: dict[int, tuple[DraftTree, tuple[int, ...]]] = field(default_factory=dict)  # seq_id -> next round's
     #                                                                     tree (a hit) and its branching
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # draft KV to keep, sent with the next call
@@ -150,6 +227,8 @@ class PipelinedDrafter:
             msg.commits = self._take_commits()
             out = self.calls.run(msg)
             self.stats.draft_busy_s += out.elapsed_s
+            if msg.seqs and not msg.prefills:
+                self.costs.observe_redraft(out.elapsed_s, len(msg.seqs))
             trees.update({res.seq_id: res.trees[0] for res in out.results})
         return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]
 
@@ -177,23 +256,24 @@ class PipelinedDrafter:
             self.calls.submit(msg)
 
     def _predict(self, seq: DraftSeq, tree: DraftTree) -> None:
+        """The round in flight as prediction nodes (its likely path), and one guess point per way it can end:
+        rejected at depth d (the next token off the children tried there) or all accepted (a bonus token), each
+        weighted by its measured probability; the worker picks the outcomes by expected value vs cost."""
         path = tree.likely_path
         children = children_lists(tree.parents)
         for d, node in enumerate(path):
             seq.pred_tokens.append(tree.tokens[node])
             seq.pred_parents.append(d - 1)
-        # at[d] = P(at least d tokens accepted); the bonus guesses split full acceptance 3:1 between the two.
-        at = [1.0] + self._acceptance(len(path))
-        outcomes = [(at[d] - at[d + 1], d, 0) for d in range(len(path))]  # rejected at depth d
-        outcomes += [(at[-1] * 0.75, len(path), 0), (at[-1] * 0.25, len(path), 1)]  # full, 1st/2nd bonus guess
-        chosen = sorted(outcomes, key=lambda o: -o[0])[: self.width]
-        for d in sorted({d for _, d, _ in chosen}):
-            count = sum(1 for _, dd, _ in chosen if dd == d)
-            if d == len(path):
-                seq.guesses.append(GuessSpec(at=d - 1, count=count))
-            else:
-                tried = children[path[d - 1] + 1] if d > 0 else children[0]
-                seq.guesses.append(GuessSpec(at=d - 1, count=count, exclude=[tree.tokens[c] for c in tried]))
+        if self.width == 0:
+            return
+        at = [1.0] + self._acceptance(len(path))  # at[d] = P(at least d tokens accepted)
+        for d in range(len(path) + 1):
+            weight = at[d] - at[d + 1] if d < len(path) else at[-1]
+            tried = [] if d == len(path) else children[path[d - 1] + 1] if d > 0 else children[0]
+            seq.guesses.append(GuessSpec(at=d - 1, count=0, exclude=[tree.tokens[c] for c in tried],
+                                         weight=max(weight, 0.0)))
+        seq.outcome_budget = self.width
+        seq.outcome_min_value = self.costs.min_value()
 
     def _acceptance(self, depth: int) -> list[float]:
         """P(at least d accepted) for d = 1..depth: measured, or a prior of 0.7 per token before any round."""
@@ -211,6 +291,11 @@ class PipelinedDrafter:
             pre_out = self.calls.wait()
             self.stats.draft_busy_s += pre_out.elapsed_s
             self.stats.draft_hidden_s += min(pre_out.elapsed_s, t_target - self._t_submit)
+            outcomes = sum(len(res.anchors) for res in pre_out.results)
+            self.stats.outcomes += outcomes
+            if pre_out.results:
+                self.costs.observe_predraft(pre_out.elapsed_s, outcomes)
+            self.costs.observe_verify(out.elapsed_s)
             for res in pre_out.results:
                 if res.seq_id in self._inflight:
                     self._inflight[res.seq_id].result = res
@@ -219,13 +304,12 @@ class PipelinedDrafter:
             pre = self._inflight.pop(r.seq_id, None)
             if pre is None or pre.result is None:
                 continue
-            self.stats.predrafted += 1
             real = r.all_token_ids[pre.base_len:] + res.tokens  # the round's tokens are emitted after this
             m = match_prediction(pre.chain, pre.result, real)
+            self.stats.count(res.num_accepted, r.params.temperature, m.tree is not None)
             self._commits[r.seq_id] = DraftCommit(r.seq_id, m.num_inflight, m.pred_nodes)
             cached[r.seq_id] = pre.base_len + m.num_inflight + len(m.pred_nodes)
             if m.tree is not None:
-                self.stats.hits += 1
                 self._ready[r.seq_id] = (m.tree, pre.branching)
         self.stats.wall_s += time.perf_counter() - self._step_start
         return cached

@@ -42,6 +42,7 @@ from workers.messages import (
     DraftTree,
     SamplingSpec,
 )
+from workers.outcome_choice import choose_outcomes
 from workers.proposal import ProposalMode, draw_children
 from workers.sampling import logits_to_probs
 from workers.streams import stream
@@ -202,17 +203,26 @@ class DraftWorker(WorkerBase):
     def _add_guesses(self, r: _Request, rows: dict[int, torch.Tensor]) -> SeqForward:
         first = len(r.parents)
         new: list[int] = []
-        for g in r.seq.guesses:
-            scores = rows[r.pred_scratch(g.at)].clone()  # [Vd] raw draft logits at the guess point
-            if g.exclude:
-                scores[torch.tensor(g.exclude, dtype=torch.long, device=scores.device)] = float("-inf")
-            for tok in scores.topk(min(g.count, scores.shape[0])).indices.tolist():
-                r.pred_tokens.append(tok)
-                r.pred_parents.append(g.at)
-                r.anchors.append(len(r.pred_tokens) - 1)
-                r.parents.append(r.pred_scratch(g.at))
-                r.tokens.append(tok)
-                new.append(tok)
+        if r.seq.outcome_budget > 0:  # by expected value over every guess point
+            gs = r.seq.guesses
+            chosen = choose_outcomes([rows[r.pred_scratch(g.at)] for g in gs], [g.weight for g in gs],
+                                     [g.exclude for g in gs], r.seq.sampling.temperature, r.seq.outcome_budget,
+                                     r.seq.outcome_min_value)
+            picks = [(gs[i].at, tok) for i, tok, _ in chosen]
+        else:
+            picks = []
+            for g in r.seq.guesses:
+                scores = rows[r.pred_scratch(g.at)].clone()  # [Vd] raw draft logits at the guess point
+                if g.exclude:
+                    scores[torch.tensor(g.exclude, dtype=torch.long, device=scores.device)] = float("-inf")
+                picks += [(g.at, tok) for tok in scores.topk(min(g.count, scores.shape[0])).indices.tolist()]
+        for at, tok in picks:
+            r.pred_tokens.append(tok)
+            r.pred_parents.append(at)
+            r.anchors.append(len(r.pred_tokens) - 1)
+            r.parents.append(r.pred_scratch(at))
+            r.tokens.append(tok)
+            new.append(tok)
         return SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), new, new_start=first,
                           logit_nodes=list(range(first, len(r.parents))))
 

@@ -62,6 +62,7 @@ class GuessSpec:
     at: int
     count: int
     exclude: list[int] = field(default_factory=list)
+    weight: float = 1.0  # P(the round in flight ends here): used when the seq has an outcome_budget
 
 
 @dataclass
@@ -79,6 +80,11 @@ class DraftSeq:
     pred_parents: list[int] = field(default_factory=list)
     guesses: list[GuessSpec] = field(default_factory=list)
     anchors: list[int] = field(default_factory=lambda: [-1])
+    # > 0: the worker picks up to this many outcomes over all guess points by expected value (guess weight x the
+    # draft's estimate of the next token's law, workers/outcome_choice.py), the best one always, further ones
+    # only if worth at least outcome_min_value; each GuessSpec's count is then ignored.
+    outcome_budget: int = 0
+    outcome_min_value: float = 0.0
 
 
 @dataclass
