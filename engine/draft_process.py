@@ -1,4 +1,5 @@
-"""The draft in a local process of its own, pinned to its own core(s); the target stays in this process.
+"""The draft in a local process of its own, pinned to its own core(s); the target stays in this process, its
+forwards pinned to the target's core(s).
 
 Why: in ``LocalExecutor`` the draft is a thread beside the target, and the two compete for the same cores (and the
 interpreter lock): issue 18 measured verification 1.6-2.3x slower while a pre-draft runs beside it. Here each role
@@ -64,18 +65,13 @@ class DraftProcessExecutor:
 
         dcores = check_cores(draft_cores, "draft_cores")
         tcores = check_cores(target_cores, "target_cores")
-        # This process's placement is restored at shutdown: a benchmark runs other modes after this one.
-        self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
         self._proc: subprocess.Popen | None = None
         self._push = self._reply = None
         self._host: WorkerProcess | None = None
         self._in_flight = False
         self._target_msg: TargetStep | None = None
+        self._tcores = tcores
         try:
-            if tcores is not None:
-                # The calling thread's mask, inherited by threads started later (torch's pool starts lazily).
-                os.sched_setaffinity(0, tcores)
-                torch.set_num_threads(len(tcores))
             self.target = TargetWorker(target)
             secret = new_secret()
             self._auth = FrameAuth(secret, "controller")
@@ -162,11 +158,25 @@ class DraftProcessExecutor:
     def wait_target(self) -> TargetStepOutput:
         assert self._target_msg is not None, "no target call in flight"
         msg, self._target_msg = self._target_msg, None
-        return self.target.step(msg)
+        if self._tcores is None:
+            return self.target.step(msg)
+        # Pinned for the forward only, then the caller's placement again: this process may host other engines
+        # (bench compare interleaves modes), and pinning the calling thread for good would hold them to it too.
+        # With more than one target core, torch's pool threads keep the mask they were started with.
+        saved = (os.sched_getaffinity(0), torch.get_num_threads())
+        os.sched_setaffinity(0, self._tcores)
+        if saved[1] != len(self._tcores):
+            torch.set_num_threads(len(self._tcores))
+        try:
+            return self.target.step(msg)
+        finally:
+            os.sched_setaffinity(0, saved[0])
+            if saved[1] != len(self._tcores):
+                torch.set_num_threads(saved[1])
 
     def describe(self) -> dict[str, Any]:
-        return {"draft_pid": self._proc.pid if self._proc else None, "target_cores": sorted(os.sched_getaffinity(0)),
-                "target_threads": torch.get_num_threads()}
+        return {"draft_pid": self._proc.pid if self._proc else None,
+                "target_cores": sorted(self._tcores) if self._tcores is not None else None}
 
     def shutdown(self) -> None:
         if self._host is not None:
@@ -188,8 +198,6 @@ class DraftProcessExecutor:
         if self._reply is not None:
             self._reply.close(linger=0)
             self._reply = None
-        os.sched_setaffinity(0, self._saved[0])
-        torch.set_num_threads(self._saved[1])
         self.target = None  # type: ignore[assignment]
 
 

@@ -39,7 +39,12 @@ from engine.benchmarks.floor import measure_floor, report_floor
 from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
 from scheduler.sampling_params import SamplingParams, is_greedy
 
-ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined", "specserve_adaptive")
+ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined", "specserve_adaptive",
+                "specserve_chain_allcores", "specserve_pipelined_process")
+# Equal hardware (issue 18): the sequential chain whose every phase may use all of this process's cores (torch
+# threads = cores) against pipelining with the draft in its own process, one core per role (draft on the last
+# core, target on the first). specserve_chain / specserve_pipelined keep --threads and the in-process draft thread.
+ALL_CORES_MODE, PROCESS_MODE = "specserve_chain_allcores", "specserve_pipelined_process"
 FIXED_K_MODE = "specserve_k"  # + K: a fixed chain of K per --fixed-ks
 HF_MODES = ("hf_generate", "hf_assisted", "hf_assisted_constant_k")  # the assisted ones at batch 1 only
 
@@ -66,7 +71,8 @@ class Row:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
-        return {**d, "tok_s": self.tok_s, "cycle_model": cycle_model(self)}
+        return {**d, "tok_s": self.tok_s, "cycle_model": cycle_model(self), "draft_hidden_bound_tok_s":
+                hidden_bound(self) if self.mode in ("specserve_chain", ALL_CORES_MODE) else None}
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -152,6 +158,17 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
     return outs
 
 
+def hidden_bound(r: Row) -> float | None:
+    """Tokens/s of a sequential row if its drafting were fully hidden: its measured wall time less its draft
+    time (draft calls and their collection), everything else (verify, state, scheduling) as measured."""
+    b = r.breakdown
+    if not b or not b.get("steps") or not r.tokens or not r.seconds:
+        return None
+    draft = b.get("draft_wall_s", 0.0) + b.get("collect_s", 0.0)
+    rest = r.seconds[-1] - draft
+    return r.tokens / rest if rest > 0 else None
+
+
 def cycle_model(r: Row) -> dict | None:
     """Predicted seconds per token from the engine's breakdown vs the measured wall time per token."""
     b = r.breakdown
@@ -165,6 +182,12 @@ def cycle_model(r: Row) -> dict | None:
             "measured_s_per_tok": r.seconds[-1] / r.tokens}
 
 
+def one_core_per_role() -> dict:
+    """Draft on the last core this process may use, target on the first (nothing pinned on a 1-core machine)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"draft_cores": [cores[-1]], "target_cores": [cores[0]]} if len(cores) > 1 else {}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specserve bench compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="default: the built-in target")
@@ -176,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="chain length")
     ap.add_argument("--tree", default="2,1", help="tree branching at the chain's node budget (2,1: 4 nodes)")
     ap.add_argument("--adaptive-k", type=int, default=8, help="K_max of specserve_adaptive")
+    ap.add_argument("--pipeline-width", type=int, default=2, help="most outcomes pre-drafted per request per round "
+                    "(pipelined modes; how many within it is chosen by expected value)")
     ap.add_argument("--fixed-ks", default="", help="also fixed chains of these K (modes specserve_k<K>), "
                                                    "e.g. 2,4,6,8")
     ap.add_argument("--temperatures", default="0,0.8")
@@ -226,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
              "quantization": args.draft_quantization}
     specs = {"specserve_nospec": "none", "specserve_chain": chain,
              "specserve_tree": {**chain, "num_speculative_tokens": len(tree), "tree_branching": tree},
-             "specserve_pipelined": {**chain, "pipeline": True},
+             "specserve_pipelined": {**chain, "pipeline": True, "pipeline_width": args.pipeline_width},
+             ALL_CORES_MODE: chain,
+             PROCESS_MODE: {**chain, "pipeline": True, "pipeline_width": args.pipeline_width, "draft_process": True,
+                            **one_core_per_role()},
              "specserve_adaptive": {**chain, "num_speculative_tokens": args.adaptive_k, "adaptive": True},
              **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
@@ -276,13 +304,22 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                             grp, n, t, 1000 * i, assisted=m != "hf_generate",
                             k=args.k if m == "hf_assisted_constant_k" else None)]
                     runs[m] = hf_run
+                elif m == ALL_CORES_MODE:
+                    def all_cores_run(row, m=m, g=groups, t=temp):
+                        threads = torch.get_num_threads()
+                        torch.set_num_threads(len(os.sched_getaffinity(0)))
+                        try:
+                            return engine_run(llms[m], g, n, t, row)
+                        finally:
+                            torch.set_num_threads(threads)
+                    runs[m] = all_cores_run
                 else:
                     runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row)
             for m in runs:  # warm-up, untimed: the first use of a batch shape allocates
                 if m.startswith("hf_"):
                     hf.generate(groups[0], 2, temp, 0, assisted=m != "hf_generate")
                 else:
-                    engine_run(llms[m], groups[:1], 2, temp, None)
+                    runs[m](None) if m == ALL_CORES_MODE else engine_run(llms[m], groups[:1], 2, temp, None)
             group_rows = {m: Row(m, temp, batch) for m in runs}
             for rep in range(args.repeats):
                 for m, fn in runs.items():
@@ -308,12 +345,14 @@ def summarize(rows: list[Row], k: int) -> dict:
     for r in rows:
         by = {x.mode: x for x in rows if (x.temperature, x.batch) == (r.temperature, r.batch)}
         key = f"T={r.temperature}@{r.batch}:{r.mode}"
-        for base in ("specserve_chain", "specserve_nospec", "hf_assisted", "hf_generate"):
+        for base in ("specserve_chain", ALL_CORES_MODE, "specserve_nospec", "hf_assisted", "hf_generate"):
             b = by.get(base)
             if b is not None and b is not r and b.tok_s:
                 out[f"{key}_vs_{base}"] = r.tok_s / b.tok_s
         if r.acceptance_length:
             out[f"{key}_mean_acceptance_length"] = statistics.median(r.acceptance_length)
+        if r.mode in ("specserve_chain", ALL_CORES_MODE) and hidden_bound(r):
+            out[f"{key}_draft_hidden_bound_tok_s"] = hidden_bound(r)
     out["k"] = k
     return out
 
@@ -322,7 +361,7 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
     print(f"\ntarget {args.target}\ndraft  {args.draft}\n{args.num_prompts} prompts, {args.max_tokens} tokens each, "
           f"chain K={args.k}, tree {args.tree}, dtype {args.dtype}, {args.threads} thread(s), median of "
           f"{args.repeats} repeat(s)\n")
-    print(f"{'T':>4} {'batch':>5} {'mode':<24} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'K mean':>6} "
+    print(f"{'T':>4} {'batch':>5} {'mode':<28} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'K mean':>6} "
           f"{'vs chain':>8} {'vs nospec':>9} {'vs HF-asst':>10} {'vs HF-gen':>9} {'greedy=HF':>9}")
     for r in rows:
         key = f"T={r.temperature}@{r.batch}:{r.mode}"
@@ -334,9 +373,25 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
         acc = f"{statistics.median(r.acceptance_length):.2f}" if r.acceptance_length else "-"
         rate = f"{statistics.median(r.acceptance_rate):.2f}" if r.acceptance_rate else "-"
         kmean = f"{r.mean_chosen_depth:.2f}" if r.mean_chosen_depth is not None else "-"
-        print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<24} {r.tok_s:>8.1f} {acc:>7} {rate:>8} {kmean:>6} "
+        print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<28} {r.tok_s:>8.1f} {acc:>7} {rate:>8} {kmean:>6} "
               f"{ratio('specserve_chain'):>8} {ratio('specserve_nospec'):>9} {ratio('hf_assisted'):>10} "
               f"{ratio('hf_generate'):>9} {r.greedy_match_vs_hf or '-':>9}")
+    pairs = [(r, x) for r in rows if r.mode == PROCESS_MODE for x in rows
+             if x.mode == ALL_CORES_MODE and (x.temperature, x.batch) == (r.temperature, r.batch)]
+    if pairs:
+        print("\nequal hardware: pipelined, draft in its own process, one core per role vs the sequential chain on "
+              "all cores\n(bound: the chain's own run with its draft time removed = draft fully hidden)")
+        for r, x in pairs:
+            bound = hidden_bound(x)
+            pipe = r.pipeline or {}
+            print(f"  T={r.temperature} b={r.batch}: pipelined {r.tok_s:.1f} vs chain {x.tok_s:.1f} tok/s = "
+                  f"{r.tok_s / x.tok_s:.2f}x; draft fully hidden {bound or 0:.1f} tok/s "
+                  f"({(bound or 0) / x.tok_s:.2f}x); hit rate {pipe.get('hit_rate', 0):.2f}, outcomes per round "
+                  f"{pipe.get('outcomes_per_round', 0):.2f}")
+            for what in ("position", "temperature"):
+                table = pipe.get(f"hit_rate_by_{what}") or {}
+                print(f"      hit rate by {what}: " + ", ".join(
+                    f"{k}: {v['hit_rate']:.2f} ({v['rounds']})" for k, v in table.items()))
     adaptive = [r for r in rows if r.mode == "specserve_adaptive" and r.chosen_depths]
     if adaptive:
         print("\nK chosen by the adaptive policy (rounds per depth, last repeat; plain-decode rounds are '0'):")
