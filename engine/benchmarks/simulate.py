@@ -93,6 +93,10 @@ def record(args: argparse.Namespace) -> int:
                            max(args.num_prompts, args.batch), cfg.max_model_len - args.max_tokens - args.k - 2)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
             "pipeline": args.mode == "pipelined", "pipeline_width": args.width}
+    if args.draft_process:  # the draft in its own process, one core per role (engine/draft_process.py)
+        from engine.benchmarks.compare import one_core_per_role
+
+        spec.update(draft_process=True, **one_core_per_role())
     llm = LLM(target, spec, dtype="float32", max_num_seqs=args.batch,
               num_kv_tokens=args.batch * (max(len(p) for p in prompts) + args.max_tokens + 64))
     groups = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--k", type=int, default=4)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--width", type=int, default=2, help="pipeline_width: predicted outcomes pre-drafted a round")
+    r.add_argument("--draft-process", action="store_true", help="the draft in its own process, one core per role")
     r.add_argument("--out", required=True)
     r.set_defaults(func=record)
     c = sub.add_parser("calibrate", help="fit this machine's costs, simulated vs measured")
