@@ -104,6 +104,9 @@ class SpeculativeConfig:
                     isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores)):
                 raise ValueError(f"speculative_config.{name} must be a non-empty list of CPU core numbers "
                                  f"(0 .. 4095), got {cores!r}")
+        if (self.draft_cores is not None or self.target_cores is not None) and not self.draft_process:
+            raise ValueError("speculative_config.draft_cores / target_cores pin the draft process and the target "
+                             "apart: they need draft_process=true")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
         if self.num_speculative_tokens_per_batch_size is not None:

@@ -72,3 +72,5 @@ def test_bad_cores_are_refused_naming_the_field(llama):
                                                "draft_cores": [4095]})
     with pytest.raises(ValueError, match="target_cores"):
         LLM(llama.target, speculative_config={**spec(llama.perturbed, k=2), "target_cores": []})
+    with pytest.raises(ValueError, match="need draft_process"):  # pinning the in-process thread is not offered
+        LLM(llama.target, speculative_config={**spec(llama.perturbed, k=2), "draft_cores": [0]})
