@@ -82,8 +82,11 @@ class DraftProcessExecutor:
             ctx = zmq.Context.instance()
             self._reply = ctx.socket(zmq.PULL)
             reply = f"tcp://127.0.0.1:{self._reply.bind_to_random_port('tcp://127.0.0.1')}"
+            # The child imports this very copy of the package (not whichever one its path would find first).
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             self._proc = subprocess.Popen([sys.executable, "-m", "engine.draft_process"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True)
+                                          stdout=subprocess.PIPE, text=True, env=env)
             self._proc.stdin.write(json.dumps({
                 "config": dataclasses.asdict(draft), "secret": secret.hex(), "controller": reply, "laws": laws,
                 "cores": sorted(dcores) if dcores is not None else None}) + "\n")
@@ -216,6 +219,7 @@ def _main() -> None:
     host.connect_laws(start["laws"], 0)
     endpoint = host.serve(start["controller"], True, _TAG)
     print(json.dumps({"endpoint": endpoint}), flush=True)
+    os.dup2(2, 1)  # nobody reads the pipe after this line: anything printed later must not fill it and block
     while host._thread.is_alive():  # ends on OP_STOP
         host._thread.join(1.0)
         if os.getppid() != parent:  # the controller is gone: nobody will ever send OP_STOP
