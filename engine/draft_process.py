@@ -214,8 +214,9 @@ def _main() -> None:
     # WorkerProcess.setup reads the thread count from here: one torch thread per core of its own.
     os.environ["SPECSERVE_WORKER_THREADS"] = str(len(cores) if cores else
                                                  os.environ.get("SPECSERVE_WORKER_THREADS", "1"))
-    host = WorkerProcess("draft", WorkerConfig(**start["config"]), 0, 1, bytes.fromhex(start["secret"]))
-    host.setup("127.0.0.1", 0, use_gpu=False)
+    config = WorkerConfig(**start["config"])
+    host = WorkerProcess("draft", config, 0, 1, bytes.fromhex(start["secret"]))
+    host.setup("127.0.0.1", 0, use_gpu=config.device.startswith("cuda"))  # the same GPU as the target (cuda:0)
     host.connect_laws(start["laws"], 0)
     endpoint = host.serve(start["controller"], True, _TAG)
     print(json.dumps({"endpoint": endpoint}), flush=True)
