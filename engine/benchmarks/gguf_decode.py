@@ -69,11 +69,9 @@ def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], 
     return run, weight_bytes(model)
 
 
-def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tuple[Callable[[], int], int] | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
+def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tuple[Callable[[], int], int]:
+    from llama_cpp import Llama
+
     llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
 
     def run() -> int:
@@ -120,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
         elif mode in ("llama_cpp", "llamacpp"):
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                print("llama_cpp: not installed (pip install llama-cpp-python); skipped", flush=True)
+                continue
             for threads in (int(t) for t in args.llama_cpp_threads.split(",")):
-                r = llama_cpp_runner(path, prompt, n, threads)
-                if r is None:
-                    print("llama_cpp: not installed (pip install llama-cpp-python); skipped", flush=True)
-                    break
-                runners[f"llama_cpp_t{threads}"] = r
+                runners[f"llama_cpp_t{threads}"] = llama_cpp_runner(path, prompt, n, threads)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         print(f"{mode}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
