@@ -24,6 +24,10 @@ class StopChecker:
         self._hold = max((len(s) for s in stop_strings), default=1) - 1  # chars a stop string may still claim
         self._sent = 0  # chars of text already handed out by take_text
         self.stop_string_hit: str | None = None
+        # A special stop token (EOS, a chat model's <|im_end|>) ends the request but is not text: its id stays in
+        # the output's token ids and is left out of the text, as vLLM's skip_special_tokens does.
+        special = set(getattr(tokenizer, "all_special_ids", None) or [])
+        self._textless_stops = stop_token_ids & special
 
     @property
     def text(self) -> str | None:
@@ -37,6 +41,8 @@ class StopChecker:
         if detok is None:
             return kept, stopped
         for i, t in enumerate(kept):
+            if stopped and i == len(kept) - 1 and t in self._textless_stops:
+                break
             start = len(detok.text)
             if detok.append(t) and self.stop_strings and self._find_stop(start):
                 return kept[: i + 1], True  # the token completing the stop string is kept, like vLLM

@@ -123,6 +123,19 @@ def test_stop_token_and_max_tokens_with_text() -> None:
     assert not stopped and kept == ids[:3] and checker.take_text(True) == "hel"
 
 
+def test_a_special_stop_token_ends_the_request_but_is_not_text(bpe) -> None:
+    """EOS (a chat model's <|im_end|>) stays in the token ids, not in the text; an ordinary stop token is text."""
+    eos = bpe.eos_token_id
+    ids = bpe.encode("def f():\n    return 1")
+    checker = StopChecker({eos}, [], bpe)
+    kept, stopped = checker.truncate(ids + [eos, ids[0]], 100)
+    assert stopped and kept == ids + [eos]
+    assert checker.take_text(True) == "def f():\n    return 1"
+    checker = StopChecker({ids[0]}, [], bpe)
+    kept, stopped = checker.truncate(ids, 100)
+    assert stopped and kept == ids[:1] and checker.take_text(True) == bpe.decode(ids[:1])
+
+
 # ------------------------------------------------------------------------------------------------- the engine
 def test_a_4000_token_output_with_a_stop_string_at_the_end(long_context: str) -> None:
     llm = LLM(long_context)

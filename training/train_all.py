@@ -1,5 +1,5 @@
-"""One command that rebuilds the built-in default models: tokenizer, target + draft, prompts, draft
-distillation on the target's own outputs, evaluation.
+"""One command that rebuilds the built-in default models: tokenizer, target + draft, the target widened to
+16 / 8 heads (exact), prompts, draft distillation on the target's own outputs, evaluation.
 
     OMP_NUM_THREADS=1 python -m training.train_all --out engine/default_models
 
@@ -27,7 +27,10 @@ from training import data as data_mod  # noqa: E402
 from training.models import CONTEXT, draft_config, target_config  # noqa: E402
 from training.train import TrainConfig, train_pair  # noqa: E402
 
-STAGES = ("data", "train", "prompts", "gen", "distill", "eval")
+STAGES = ("data", "train", "widen", "prompts", "gen", "distill", "eval")
+# The target trains with 10 query / 5 KV heads (training/models.py); the widen stage pads it exactly to 16 / 8
+# (training/widen_heads.py) so that tensor parallelism can split it 2, 4 or 8 ways. Idempotent.
+WIDE_HEADS, WIDE_KV_HEADS = 16, 8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -104,6 +107,13 @@ def main() -> None:
         log["train"] = train_pair(t_cfg, d_cfg, train_ids, cfg, dirs, init=init)
         for d in dirs.values():
             copy_tokenizer(work / "tokenizer", d)
+        log_path.write_text(json.dumps(log, indent=2))
+
+    if "widen" in stages:
+        from training.widen_heads import widen_checkpoint
+
+        log["widen"] = widen_checkpoint(dirs["target"], dirs["target"], WIDE_HEADS, WIDE_KV_HEADS)
+        print("widen:", json.dumps(log["widen"]), flush=True)
         log_path.write_text(json.dumps(log, indent=2))
 
     if "prompts" in stages:

@@ -1,7 +1,8 @@
 """Batch-1 greedy decode speed on one GGUF file: specserve's float32 expansion vs its packed 4-bit weights,
-transformers ``generate`` on the same file, and llama.cpp (``llama_cpp``) when it is installed.
+transformers ``generate`` on the same file, and llama.cpp (``llama_cpp``) when it is installed
+(``pip install llama-cpp-python``, or the ``bench`` extra; it builds llama.cpp from source, a few minutes).
 
-    python -m engine.benchmarks.gguf_decode --target smollm2 --max-tokens 64 --repeats 3
+    python -m engine.benchmarks.gguf_decode --target smollm2 --max-tokens 64 --repeats 3 --llama-cpp-threads 1,2
 
 Each mode generates ``--max-tokens`` tokens greedily from the same chat-formatted prompt, EOS ignored; the
 modes run in turns, ``--repeats`` times, and the best run of each is reported (on a shared machine the best
@@ -68,11 +69,9 @@ def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], 
     return run, weight_bytes(model)
 
 
-def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tuple[Callable[[], int], int] | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
+def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tuple[Callable[[], int], int]:
+    from llama_cpp import Llama
+
     llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
 
     def run() -> int:
@@ -93,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="smollm2", help="a *.gguf file or a short name (default: smollm2)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (specserve, transformers)")
+    ap.add_argument("--llama-cpp-threads", default="1,2",
+                    help="llama.cpp n_threads, comma-separated: one llama_cpp row per value")
+    ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
+                    help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -115,12 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
-        elif mode == "llama_cpp":
-            r = llama_cpp_runner(path, prompt, n, args.threads)
-            if r is None:
+        elif mode in ("llama_cpp", "llamacpp"):
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
                 print("llama_cpp: not installed (pip install llama-cpp-python); skipped", flush=True)
                 continue
-            runners[mode] = r
+            for threads in (int(t) for t in args.llama_cpp_threads.split(",")):
+                runners[f"llama_cpp_t{threads}"] = llama_cpp_runner(path, prompt, n, threads)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
         print(f"{mode}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             tokens = run()
             best[mode] = max(best.get(mode, 0.0), tokens / (time.perf_counter() - start))
             best_cpu[mode] = max(best_cpu.get(mode, 0.0), tokens / (time.process_time() - cpu))
-    print(f"\nbatch 1, greedy, {n} tokens, {args.threads} thread(s), best of {args.repeats}; prompt {len(prompt)} "
+    print(f"\nbatch 1, greedy, {n} tokens, {args.threads} torch thread(s) (llama_cpp_tN: N threads), "
+          f"best of {args.repeats}; prompt {len(prompt)} "
           f"tokens; floor = weight bytes / {args.bandwidth_gbs:g} GB/s")
     print(f"{'mode':<16} {'tok/s':>7} {'tok/cpu-s':>9} {'cpu ms/tok':>10} {'weights MB':>10} {'floor ms':>9}")
     rows = []
