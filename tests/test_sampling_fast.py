@@ -101,3 +101,14 @@ def test_sorted_descending_equals_torch_sort_values():
     x[1, ::7] = float("-inf")
     assert torch.equal(_sorted_descending(x), x.sort(dim=-1, descending=True, stable=True).values)
     assert torch.equal(_sorted_descending(x[:, ::2]), x[:, ::2].sort(dim=-1, descending=True).values)
+
+
+def test_top_p_boundary_mass_exactly_top_p_drops_the_token():
+    """The mass before a token equal to top_p (to the bit) drops it: random data rarely hits this boundary."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    sorted_p = torch.softmax(logits, dim=-1)
+    top_p = float((sorted_p.cumsum(dim=-1) - sorted_p)[0, 1])  # the mass before the second token
+    params = SamplingBatch.from_lists([1.0], [-1], [top_p], [0.0])
+    got = logits_to_probs(logits, params)
+    assert torch.equal(got, _reference(logits, params))
+    assert got[0].tolist() == [1.0, 0.0, 0.0, 0.0]
