@@ -149,9 +149,11 @@ def residual_distribution(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     The mass is 0 only when r <= q everywhere, i.e. r == q up to rounding; then acceptance was certain in
     exact arithmetic and a rejection is a rounding artefact, so r itself is returned (never a 0/0 NaN).
     """
-    diff = (r - q).clamp(min=0)  # [..., V]
+    diff = (r - q).clamp_(min=0)  # [..., V]; in place on the fresh difference: same bits, no extra buffers
     mass = diff.sum(dim=-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, diff / mass.clamp(min=torch.finfo(diff.dtype).tiny), r)
+    diff.div_(mass.clamp(min=torch.finfo(diff.dtype).tiny))
+    positive = mass > 0
+    return diff if bool(positive.all()) else torch.where(positive, diff, r)
 
 
 def verify_tree_batch(
@@ -215,16 +217,21 @@ def verify_tree_batch(
 
     # Per sibling rank: r, the residual a node is tried against, and `after`, the residual once it is
     # rejected (an absent node leaves it unchanged). Rank j's r is rank j-1's `after`.
+    # A chain's nodes all have rank 0 with parent slots 0..N-1, so its rows are slices, not copies.
+    all_present = all(all(row) for row in present_rows)
     r_x_parts, after_parts = [], []
     for rank, nodes in enumerate(shape.nodes_by_rank):
         idx = ids(nodes)
+        whole = len(nodes) == n  # then nodes == 0..N-1 in order
         if rank == 0:
-            r = target_probs.index_select(1, ids([shape.parent_slot[i] for i in nodes]))  # [B, n_rank, V]
+            slots = [shape.parent_slot[i] for i in nodes]
+            r = (target_probs.narrow(1, slots[0], n) if whole and slots == list(range(slots[0], slots[0] + n))
+                 else target_probs.index_select(1, ids(slots)))  # [B, n_rank, V]
         else:
             r = after_parts[-1].index_select(1, ids(shape.prev_in_rank[rank - 1]))
-        res = residual_distribution(r, draft_probs.index_select(1, idx))
-        after_parts.append(torch.where(present.index_select(1, idx).unsqueeze(-1), res, r))  # [B, n_rank, V]
-        r_x_parts.append(r.gather(2, tok.index_select(1, idx)).squeeze(-1))  # [B, n_rank]
+        res = residual_distribution(r, draft_probs if whole else draft_probs.index_select(1, idx))
+        after_parts.append(res if all_present else torch.where(present.index_select(1, idx).unsqueeze(-1), res, r))
+        r_x_parts.append(r.gather(2, tok if whole else tok.index_select(1, idx)).squeeze(-1))  # [B, n_rank]
     r_x = torch.cat(r_x_parts, dim=1).index_select(1, ids(shape.rank_order_inverse))  # [B, N]
     # u < r(x)/q(x) without dividing: q(x) > 0 is checked above, and r(x) >= q(x) accepts surely (u < 1).
     accept_rows: list[list[bool]] = (present & (uniforms[:, :n] * q_x < r_x)).tolist()  # [B][N]
