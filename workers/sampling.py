@@ -112,7 +112,7 @@ def _sorted_descending(x: torch.Tensor) -> torch.Tensor:
     tens of times faster here than torch's CPU sort, which was most of a sampled round's cost.
     """
     if x.device.type == "cpu":
-        return torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
+        return torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
     return x.sort(dim=-1, descending=True).values
 
 
