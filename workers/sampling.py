@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from scheduler.sampling_params import GREEDY_TEMPERATURE  # the one greedy predicate: T < GREEDY_TEMPERATURE
@@ -103,44 +104,86 @@ class SamplingBatch:
         return bool(self.is_greedy.all())
 
 
+def _sorted_descending(x: torch.Tensor) -> torch.Tensor:
+    """[M, V] -> [M, V] each row's values sorted descending (values only).
+
+    Sorted values do not depend on the algorithm (tied entries are equal, so any order of them gives the same
+    row; only +0.0 / -0.0 may swap, which no later step can tell apart), so on CPU numpy's sort serves: it is
+    tens of times faster here than torch's CPU sort, which was most of a sampled round's cost.
+    """
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(np.sort(x.detach().numpy(), axis=-1)[:, ::-1]))
+    return x.sort(dim=-1, descending=True).values
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
-    """[N, V] logits -> [N, V] float32 probabilities after temperature, min-p, top-k, top-p (module doc)."""
+    """[N, V] logits -> [N, V] float32 probabilities after temperature, min-p, top-k, top-p (module doc).
+
+    Each transform runs once over all the rows that need it (neutral ones skip it, and the vocabulary is
+    sorted only for rows with top-k or top-p on); every step is row-local, so a row gets the same bits whatever
+    else is in the batch and whichever steps the batch had to run (tests/test_sampling_fast.py checks this
+    against the plain one-pass form).
+    """
     if logits.dim() != 2 or logits.shape[0] != len(params):
         raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(params)} sampling rows")
     n, vocab = logits.shape
+    dev = logits.device
     logits = logits.float()
-    greedy = params.is_greedy  # [N]
-    temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
-    x = logits / temp.unsqueeze(1)  # [N, V]
-    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    # One host read of the per-row switches (tensor comparisons, so float32 rounding decides as before).
+    greedy = params.is_greedy.tolist()
+    rows = [i for i, g in enumerate(greedy) if not g]  # rows that sample
+    out = torch.zeros(n, vocab, device=dev) if len(rows) < n else None  # [N, V]
+    if out is not None:
+        hot = [i for i, g in enumerate(greedy) if g]
+        hot_idx = torch.tensor(hot, dtype=torch.long, device=dev)
+        out.index_put_((hot_idx, logits.index_select(0, hot_idx).argmax(dim=-1)), torch.ones(len(hot), device=dev))
+    if not rows:
+        return out  # type: ignore[return-value]
+    if out is not None:  # only the sampling rows go through the transforms
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        params = SamplingBatch(params.temperature.index_select(0, idx), params.top_k.index_select(0, idx),
+                               params.top_p.index_select(0, idx), params.min_p.index_select(0, idx))
+        logits = logits.index_select(0, idx)
+    x = logits / params.temperature.unsqueeze(1)  # [M, V]
+    neg_inf = torch.tensor(float("-inf"), device=dev)
 
-    # min-p, relative to the most likely token after temperature. min_p = 0 keeps everything (probs >= 0).
-    probs = torch.softmax(x, dim=-1)  # [N, V]
-    floor = params.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values  # [N, 1]
-    x = torch.where(probs >= floor, x, neg_inf)
+    # min-p, relative to the most likely token after temperature; a row with min_p = 0 keeps everything
+    # (probs >= 0), so it may share the pass or skip it.
+    if bool((params.min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)  # [M, V]
+        floor = params.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values  # [M, 1]
+        x = torch.where(probs >= floor, x, neg_inf)
 
-    # top-k as a threshold on the value, so ties at the k-th value are kept whatever order sort gives them.
-    sorted_x = x.sort(dim=-1, descending=True, stable=True).values  # [N, V]
     k = params.top_k
-    k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)  # [N]
-    kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
-    x = torch.where(x >= kth, x, neg_inf)
-    sorted_x = torch.where(sorted_x >= kth, sorted_x, neg_inf)  # still sorted: masking cuts a suffix
+    k_on = (k > 0) & (k < vocab)  # [M]
+    p_on = params.top_p < 1  # [M]; 1 is off even if float cumsum overshoots 1
+    cut = (k_on | p_on).tolist()
+    cut_rows = [i for i, c in enumerate(cut) if c]
+    if cut_rows:
+        whole = len(cut_rows) == len(cut)
+        cidx = None if whole else torch.tensor(cut_rows, dtype=torch.long, device=dev)
+        xs = x if cidx is None else x.index_select(0, cidx)  # [C, V]
+        kc, k_onc, p_onc, top_pc = (t if cidx is None else t.index_select(0, cidx)
+                                    for t in (k, k_on, p_on, params.top_p))
+        sorted_x = _sorted_descending(xs)  # [C, V]
+        # top-k as a threshold on the value, so ties at the k-th value are kept whatever order sort gives them.
+        kth = sorted_x.gather(1, (torch.where(k_onc, kc, torch.full_like(kc, vocab)) - 1).unsqueeze(1))  # [C, 1]
+        xs = torch.where(xs >= kth, xs, neg_inf)
+        if bool(p_onc.any()):
+            # top-p on what min-p and top-k left: a sorted token is dropped when the mass strictly before it
+            # already reaches top_p. The first token always survives (mass before it is 0 < top_p).
+            sorted_x = torch.where(sorted_x >= kth, sorted_x, neg_inf)  # still sorted: masking cuts a suffix
+            sorted_p = torch.softmax(sorted_x, dim=-1)  # [C, V]
+            before = sorted_p.cumsum(dim=-1) - sorted_p  # [C, V]
+            num_keep = (before < top_pc.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(min=1)  # [C, 1]
+            cutoff = sorted_x.gather(1, num_keep - 1)  # [C, 1]
+            xs = torch.where(p_onc.unsqueeze(1) & (xs < cutoff), neg_inf, xs)
+        x = xs if cidx is None else x.index_copy(0, cidx, xs)
 
-    # top-p on what min-p and top-k left: a sorted token is dropped when the mass strictly before it already
-    # reaches top_p. The first token always survives (mass before it is 0 < top_p).
-    sorted_p = torch.softmax(sorted_x, dim=-1)  # [N, V]
-    before = sorted_p.cumsum(dim=-1) - sorted_p  # [N, V]
-    keep_sorted = before < params.top_p.unsqueeze(1)
-    num_keep = keep_sorted.sum(dim=-1, keepdim=True).clamp(min=1)  # [N, 1]
-    cutoff = sorted_x.gather(1, num_keep - 1)  # [N, 1]
-    top_p_on = (params.top_p < 1).unsqueeze(1)  # [N, 1]; 1 is off even if float cumsum overshoots 1
-    x = torch.where(top_p_on & (x < cutoff), neg_inf, x)
-
-    out = torch.softmax(x, dim=-1)  # [N, V]
-    one_hot = torch.zeros_like(out)
-    one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy.unsqueeze(1), one_hot, out)
+    probs = torch.softmax(x, dim=-1)  # [M, V]
+    if out is None:
+        return probs
+    return out.index_copy_(0, idx, probs)
 
 
 def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ independent of how the round went, and lets tests replay fixed draws (`uniforms=
 
 The work is vectorised over a batch of trees of one shape: the residual a node is tried against depends only
 on its parent's p and its earlier siblings' q (if an earlier sibling had been accepted the node would not be
-tried at all), so every node's residual and accept bit are computed up front, then the walk from the root
-reads them; nothing leaves the device until the results are turned into Python lists.
+tried at all), so every node's residual and accept bit are computed up front in a few batched passes, then the
+walk from the root reads the [B, N] accept bits on the host (one small read: the walk is a handful of integer
+steps per tree, where a tensor walk costed ~20 tiny kernels per depth), and one batched draw makes the final tokens.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class _Shape:
     prev_in_rank: tuple[tuple[int, ...], ...]  # per rank > 0: each node's previous sibling, as a position in
     #                                            the previous rank's group
     rank_order_inverse: tuple[int, ...]  # [N] node i's position in the concatenated rank groups
-    nodes_by_depth: tuple[tuple[int, ...], ...]  # nodes grouped by depth (1 = children of the root)
+    rank_pos: tuple[tuple[int, int], ...]  # [N] node i's (rank, position in that rank's group)
     child_table: tuple[tuple[int, ...], ...]  # [N + 1, max_children] node ids per slot, -1 padded
     last_child: tuple[int, ...]  # [N + 1] last child of each slot, -1 for a leaf
 
@@ -136,7 +137,7 @@ def _tree_shape(parents: tuple[int, ...]) -> _Shape:
         nodes_by_rank=tuple(tuple(g) for g in by_rank),
         prev_in_rank=tuple(tuple(position[prev_sibling[i]] for i in g) for g in by_rank[1:]),
         rank_order_inverse=tuple(inverse),
-        nodes_by_depth=tuple(tuple(i for i in range(n) if depth[i + 1] == d) for d in range(1, max(depth) + 1)),
+        rank_pos=tuple((ranks[i], position[i]) for i in range(n)),
         child_table=tuple(tuple(c + [-1] * (width - len(c))) for c in children),
         last_child=tuple(c[-1] if c else -1 for c in children),
     )
@@ -148,9 +149,11 @@ def residual_distribution(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     The mass is 0 only when r <= q everywhere, i.e. r == q up to rounding; then acceptance was certain in
     exact arithmetic and a rejection is a rounding artefact, so r itself is returned (never a 0/0 NaN).
     """
-    diff = (r - q).clamp(min=0)  # [..., V]
+    diff = (r - q).clamp_(min=0)  # [..., V]; in place on the fresh difference: same bits, no extra buffers
     mass = diff.sum(dim=-1, keepdim=True)  # [..., 1]
-    return torch.where(mass > 0, diff / mass.clamp(min=torch.finfo(diff.dtype).tiny), r)
+    diff.div_(mass.clamp(min=torch.finfo(diff.dtype).tiny))
+    positive = mass > 0
+    return diff if bool(positive.all()) else torch.where(positive, diff, r)
 
 
 def verify_tree_batch(
@@ -187,15 +190,17 @@ def verify_tree_batch(
     def ids(values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=dev)
 
-    def rows_at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # t [B, M, V], index [B] -> [B, V]
-        return t.gather(1, index.view(bsz, 1, 1).expand(bsz, 1, vocab)).squeeze(1)
-
     # (index_select / gather rather than advanced indexing: the latter is several times slower on CPU.)
-    present = tokens >= 0  # [B, N]
-    for nodes in shape.nodes_by_depth[1:]:  # an absent node hides its subtree
-        idx = ids(nodes)
-        par_present = present.index_select(1, ids([shape.parent_slot[i] - 1 for i in nodes]))
-        present.index_copy_(1, idx, present.index_select(1, idx) & par_present)
+    # Which nodes each tree has (an absent node hides its subtree), worked out on the host, where the walk runs.
+    tok_rows: list[list[int]] = tokens.tolist()  # [B][N]
+    present_rows: list[list[bool]] = []
+    for row in tok_rows:
+        pres: list[bool] = []
+        for i, t in enumerate(row):
+            par = shape.parent_slot[i] - 1
+            pres.append(t >= 0 and (par < 0 or pres[par]))
+        present_rows.append(pres)
+    present = torch.tensor(present_rows, dtype=torch.bool, device=dev).view(bsz, n)  # [B, N]
     tok = tokens.clamp(min=0).unsqueeze(-1)  # [B, N, 1]
     q_x = draft_probs.gather(2, tok).squeeze(-1)  # [B, N]
     if bool((present & ~(q_x > 0)).any()):
@@ -212,51 +217,55 @@ def verify_tree_batch(
 
     # Per sibling rank: r, the residual a node is tried against, and `after`, the residual once it is
     # rejected (an absent node leaves it unchanged). Rank j's r is rank j-1's `after`.
+    # A chain's nodes all have rank 0 with parent slots 0..N-1, so its rows are slices, not copies.
+    all_present = all(all(row) for row in present_rows)
     r_x_parts, after_parts = [], []
     for rank, nodes in enumerate(shape.nodes_by_rank):
         idx = ids(nodes)
+        whole = len(nodes) == n  # then nodes == 0..N-1 in order
         if rank == 0:
-            r = target_probs.index_select(1, ids([shape.parent_slot[i] for i in nodes]))  # [B, n_rank, V]
+            slots = [shape.parent_slot[i] for i in nodes]
+            r = (target_probs.narrow(1, slots[0], n) if whole and slots == list(range(slots[0], slots[0] + n))
+                 else target_probs.index_select(1, ids(slots)))  # [B, n_rank, V]
         else:
             r = after_parts[-1].index_select(1, ids(shape.prev_in_rank[rank - 1]))
-        res = residual_distribution(r, draft_probs.index_select(1, idx))
-        after_parts.append(torch.where(present.index_select(1, idx).unsqueeze(-1), res, r))
-        r_x_parts.append(r.gather(2, tok.index_select(1, idx)).squeeze(-1))  # [B, n_rank]
-    inverse = ids(shape.rank_order_inverse)
-    r_x = torch.cat(r_x_parts, dim=1).index_select(1, inverse)  # [B, N]
-    after = torch.cat(after_parts, dim=1).index_select(1, inverse)  # [B, N, V]
+        res = residual_distribution(r, draft_probs if whole else draft_probs.index_select(1, idx))
+        after_parts.append(res if all_present else torch.where(present.index_select(1, idx).unsqueeze(-1), res, r))
+        r_x_parts.append(r.gather(2, tok if whole else tok.index_select(1, idx)).squeeze(-1))  # [B, n_rank]
+    r_x = torch.cat(r_x_parts, dim=1).index_select(1, ids(shape.rank_order_inverse))  # [B, N]
     # u < r(x)/q(x) without dividing: q(x) > 0 is checked above, and r(x) >= q(x) accepts surely (u < 1).
-    accept = present & (uniforms[:, :n] * q_x < r_x)  # [B, N]
+    accept_rows: list[list[bool]] = (present & (uniforms[:, :n] * q_x < r_x)).tolist()  # [B][N]
 
-    child_table = ids(shape.child_table)  # [N + 1, max_children]
-    last_child = ids(shape.last_child).clamp(min=0)  # [N + 1]; leaves never read it
-    slot = torch.zeros(bsz, dtype=torch.long, device=dev)  # [B] where each walk stands; 0 = root
-    done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    bonus = torch.zeros(bsz, dtype=torch.bool, device=dev)
-    path = torch.full((bsz, shape.depth), -1, dtype=torch.long, device=dev)
-    final_probs = torch.zeros(bsz, vocab, device=dev)  # [B, V]
-    for step in range(shape.depth + 1):  # a walk ends at the latest on a leaf at depth `shape.depth`
-        table = child_table.index_select(0, slot)  # [B, max_children]
-        kids = table.clamp(min=0)
-        kid_ok = (table >= 0) & present.gather(1, kids)
-        kid_acc = kid_ok & accept.gather(1, kids)
-        leaf = ~done & ~kid_ok.any(dim=1)
-        rejected = ~done & ~leaf & ~kid_acc.any(dim=1)
-        advance = ~done & kid_acc.any(dim=1)
-        chosen = kids.gather(1, kid_acc.long().argmax(dim=1, keepdim=True)).squeeze(1)  # first accepted
-        final_probs = torch.where(leaf.unsqueeze(1), rows_at(target_probs, slot), final_probs)
-        recovered = rows_at(after, last_child.index_select(0, slot))  # [B, V]
-        final_probs = torch.where(rejected.unsqueeze(1), recovered, final_probs)
-        bonus |= leaf
-        done |= leaf | rejected
-        if step < shape.depth:
-            path[:, step] = torch.where(advance, chosen, path[:, step])
-        slot = torch.where(advance, chosen + 1, slot)
+    paths: list[list[int]] = []
+    bonus: list[bool] = []
+    finals: list[torch.Tensor] = []  # [V] per tree: the law the final token is drawn from
+    for b in range(bsz):
+        acc, slot, walk = accept_rows[b], 0, []
+        while True:
+            kids = [c for c in shape.child_table[slot] if c >= 0 and present_rows[b][c]]
+            chosen = next((c for c in kids if acc[c]), None)  # the first accepted child, in tried order
+            if chosen is None:
+                if kids:  # every child rejected: recovered, from the residual after the last one
+                    rank, pos = shape.rank_pos[shape.last_child[slot]]
+                    finals.append(after_parts[rank][b, pos])
+                else:  # a leaf of this tree: bonus, from p after it
+                    finals.append(target_probs[b, slot])
+                bonus.append(not kids)
+                break
+            walk.append(chosen)
+            slot = chosen + 1
+        paths.append(walk)
 
-    num_accepted = (path >= 0).sum(dim=1)
-    path_tokens = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), path)
+    final_probs = torch.stack(finals) if finals else target_probs.new_zeros(0, vocab)  # [B, V]
     final_token = sample_with_uniforms(final_probs, uniforms[:, n])
-    return BatchVerifyOutput(path, path_tokens, num_accepted, final_token, bonus)
+    pad = [[-1] * (shape.depth - len(w)) for w in paths]
+    path = torch.tensor([w + p for w, p in zip(paths, pad, strict=True)], dtype=torch.long, device=dev)
+    path_tokens = torch.tensor([[toks[c] for c in w] + p for toks, w, p in zip(tok_rows, paths, pad, strict=True)],
+                               dtype=torch.long, device=dev)
+    num_accepted = torch.tensor([len(w) for w in paths], dtype=torch.long, device=dev)
+    bonus_t = torch.tensor(bonus, dtype=torch.bool, device=dev)
+    return BatchVerifyOutput(path.view(bsz, shape.depth), path_tokens.view(bsz, shape.depth), num_accepted,
+                             final_token, bonus_t)
 
 
 def _check_vocab(tree: CandidateTree, target_probs: torch.Tensor) -> None:
