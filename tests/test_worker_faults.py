@@ -175,6 +175,38 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
         assert engine.stats.num_rounds > rounds  # speculative rounds again
 
 
+@pytest.mark.parametrize("transport,pipeline", [("zmq", False), ("ray", True)])
+def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: TPModels, reference,
+                                                       monkeypatch: pytest.MonkeyPatch, transport: str,
+                                                       pipeline: bool) -> None:
+    # The draft replies, then dies before its laws reach target rank 0 (injected: engine/faults.py), so the
+    # verifier waits for laws that never come. It used to wait 10 minutes (here: the fixture's 30 s step timeout,
+    # then WorkerStuckError); now the controller notices the death while it waits for the target and ends it.
+    monkeypatch.setenv("SPECSERVE_FAULT", "draft_dies_before_laws=3")
+    with LLM(tp_models.target, {**speculative(tp_models), "pipeline": pipeline}, tensor_parallel_size=2,
+             transport=transport) as llm:
+        monkeypatch.delenv("SPECSERVE_FAULT")  # the replacement draft starts without the fault
+        engine = llm.engine
+        for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True)):
+            engine.add_request(str(i), p, sp)
+        outs: dict[str, list[int]] = {}
+        noticed_s = None  # from the start of the step that noticed the death to the notice
+        deadline = time.monotonic() + 240
+        while engine.has_unfinished:
+            assert time.monotonic() < deadline, "the job did not finish in time"
+            failures, start = len(engine.recovery.stats.failures), time.monotonic()
+            for o in engine.step_finished():
+                outs[o.request_id] = o.token_ids
+            if len(engine.recovery.stats.failures) > failures and noticed_s is None:
+                noticed_s = engine.recovery.stats.noticed_at[0] - start
+        stats = engine.recovery.stats
+    assert noticed_s is not None, "the injected fault never fired"
+    assert noticed_s < DETECT_S + 1.0  # the draft is killed 1 s after its reply
+    assert stats.restarts == {"draft": 1} and "draft rank 0 died" in stats.failures[0]
+    ordered = [outs[str(i)] for i in range(len(PARAMS))]
+    assert ordered[: len(TP_PROMPTS)] == reference[0]
+
+
 FORGER = r"""
 import sys, time, torch, zmq
 from engine import codec
