@@ -139,10 +139,13 @@ def test_target_rank0_dies_twice_on_ray_transport(ray_cluster, tp_models: TPMode
 @pytest.mark.parametrize("transport", ["zmq", "ray"])
 def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluster, tp_models: TPModels,
                                                                        reference, transport: str) -> None:
+    # Greedy requests decode without speculation while the draft is replaced; seeded sampled ones wait for it
+    # (their tokens depend on its proposals), so both come out as without the fault.
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, transport=transport) as llm:
         engine = llm.engine
-        for i, p in enumerate(TP_PROMPTS):
-            engine.add_request(str(i), p, GREEDY)
+        reqs = [engine.add_request(str(i), p, sp) for i, (p, sp) in
+                enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True))]
+        seeded = reqs[len(TP_PROMPTS):]
         outs: dict[str, list[int]] = {}
         for _ in range(2):
             engine.step_finished()
@@ -154,13 +157,17 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
         assert engine.recovery.stats.noticed_at[0] - start < DETECT_S
         assert not engine.draft_up and engine.recovery.degraded
         plain_before = engine.stats.num_plain_rounds
+        held = [len(r.output_token_ids) for r in seeded]
         deadline = time.monotonic() + 240
         while engine.has_unfinished:
             assert time.monotonic() < deadline
+            down = not engine.draft_up
             for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
-        assert [outs[str(i)] for i in range(len(TP_PROMPTS))] == reference[0]
-        assert engine.stats.num_plain_rounds > plain_before  # decoded without the draft meanwhile
+            if down and not engine.draft_up:  # a step run with the draft down gave the seeded requests nothing
+                assert [len(r.output_token_ids) for r in seeded] == held
+        assert [outs[str(i)] for i in range(len(PARAMS))] == reference[0] + reference[1]
+        assert engine.stats.num_plain_rounds > plain_before  # greedy decoded without the draft meanwhile
         # Keep serving until the new draft is up, then speculation resumes with the same output.
         while engine.recovery.degraded:
             assert time.monotonic() < deadline
@@ -204,7 +211,7 @@ def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: T
     assert noticed_s < DETECT_S + 1.0  # the draft is killed 1 s after its reply
     assert stats.restarts == {"draft": 1} and "draft rank 0 died" in stats.failures[0]
     ordered = [outs[str(i)] for i in range(len(PARAMS))]
-    assert ordered[: len(TP_PROMPTS)] == reference[0]
+    assert (ordered[: len(TP_PROMPTS)], ordered[len(TP_PROMPTS):]) == reference  # greedy and seeded
 
 
 FORGER = r"""
