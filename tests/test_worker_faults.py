@@ -214,6 +214,29 @@ def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: T
     assert (ordered[: len(TP_PROMPTS)], ordered[len(TP_PROMPTS):]) == reference  # greedy and seeded
 
 
+def test_law_store_fails_the_waits_for_a_dead_drafts_trees_only() -> None:
+    # The verifier's side of the fix above, without Ray: fail(below=...) ends a wait for laws the dead draft
+    # numbered, at once and also while waiting; the replacement's trees (numbered from there on) still arrive.
+    import threading
+
+    import torch
+
+    from workers.law_channel import DraftLaws, LawStore, LawsUnavailable
+
+    store = LawStore(timeout_s=30)
+    threading.Timer(0.2, store.fail, ("the draft died", 1 << 40)).start()
+    start = time.monotonic()
+    with pytest.raises(LawsUnavailable, match="the draft died"):
+        store.take(0, 5, 1, "cpu")  # waiting when the notice comes
+    with pytest.raises(LawsUnavailable, match="the draft died"):
+        store.take(0, 6, 1, "cpu")  # already known
+    assert time.monotonic() - start < 5
+    threading.Timer(0.2, store.put, ([DraftLaws.of(0, 1 << 40, [torch.full((4,), 0.25)])],)).start()
+    assert store.take(0, 1 << 40, 1, "cpu").shape == (1, 4)
+    with pytest.raises(LawsUnavailable, match="alive but stuck"):  # the last resort names itself
+        LawStore(timeout_s=0.3).take(0, 1, 1, "cpu")
+
+
 FORGER = r"""
 import sys, time, torch, zmq
 from engine import codec
