@@ -110,7 +110,8 @@ class Recovery:
             try:
                 getattr(executor, f"wait_{role}")()  # an abandoned step's reply: dropped
             except WorkerDiedError as e:
-                dead.append(e)
+                if e.role != err.role:  # the target's reply may name the dead draft again (its laws): once
+                    dead.append(e)
         while dead:
             e = dead.pop(0)
             self._admit(e)
