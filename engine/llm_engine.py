@@ -276,7 +276,7 @@ class LLMEngine:
         clock = self.times.clock()
         # schedule: who runs, how deep each tree goes, KV reserved
         holding = self.config.speculative is not None and not self.draft_up
-        batch = self.scheduler.schedule(self._needs_draft if holding else None)
+        batch = self.scheduler.schedule(self._needs_draft) if holding else self.scheduler.schedule()
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
         if batch.empty and holding:  # every request that could run waits for the draft: no worker call
