@@ -60,7 +60,10 @@ class LocalExecutor:
     def wait_target(self) -> TargetStepOutput:
         assert self._target_msg is not None, "no target call in flight"
         msg, self._target_msg = self._target_msg, None
-        return self.target.step(msg)
+        out = self.target.step(msg)
+        if out.laws_error is not None:  # the in-process draft cannot die alone: only a stuck draft gets here
+            raise RuntimeError(out.laws_error)
+        return out
 
     def shutdown(self) -> None:
         if self._pool is not None:

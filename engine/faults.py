@@ -5,9 +5,28 @@
 - ``WorkerStuckError``: every worker is alive but one did not answer within the per-step timeout. The last
   resort, never a substitute for detecting a death.
 - ``TooManyRestartsError``: the restart budget is spent; names every failure that used it.
+
+Tests inject faults that a kill from outside cannot time precisely through ``SPECSERVE_FAULT`` (forwarded to
+the worker actors like every ``SPECSERVE_`` variable): ``injected_fault(name)`` reads ``name=N`` from it.
+
+- ``draft_dies_before_laws=N``: draft rank 0 drops its N-th law frame and is killed (SIGKILL) a moment after
+  the reply of that call has gone: the verifier waits for laws that will never come (engine/worker_actor.py).
 """
 
 from __future__ import annotations
+
+import os
+
+FAULT_ENV = "SPECSERVE_FAULT"
+
+
+def injected_fault(name: str) -> int | None:
+    """N from ``name=N`` in $SPECSERVE_FAULT (comma-separated), or None: no such fault is injected."""
+    for item in os.environ.get(FAULT_ENV, "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == name:
+            return int(value)
+    return None
 
 
 class WorkerDiedError(RuntimeError):

@@ -38,6 +38,7 @@ from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 
 _MAX_AUTO_KV_TOKENS = 1 << 17
+_HELD_IDLE_S = 0.02  # a step with nothing to run (requests held for the draft) pauses this long
 
 
 class EngineDeadError(RuntimeError):
@@ -256,6 +257,13 @@ class LLMEngine:
         self.drafter = self._new_drafter()
         self.draft_up = True
 
+    def _needs_draft(self, req: Request) -> bool:
+        """Held while the draft is down: a seeded sampled request's tokens depend on the draft's proposals (the
+        verifier's draws are keyed by seed and position, but what they accept is the draft's tree), so only the
+        replaced draft, drawing from the same (seed, position) streams, continues them as without the fault.
+        Greedy and unseeded requests decode without speculation meanwhile."""
+        return req.params.seed is not None and not req.params.greedy
+
     def step_finished(self) -> list[RequestOutput]:
         """One step; the requests that finished in it, whole (for callers that do not stream)."""
         self.step()
@@ -266,9 +274,16 @@ class LLMEngine:
         learns = policy is not None and policy.measures_costs  # only the adaptive policy reads step times
         before = dataclasses.replace(self.times) if learns else None
         clock = self.times.clock()
-        batch = self.scheduler.schedule()  # schedule: who runs, how deep each tree goes, KV reserved
+        # schedule: who runs, how deep each tree goes, KV reserved
+        holding = self.config.speculative is not None and not self.draft_up
+        batch = self.scheduler.schedule(self._needs_draft) if holding else self.scheduler.schedule()
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
+        if batch.empty and holding:  # every request that could run waits for the draft: no worker call
+            self._finished_ids = finished_ids + self._finished_ids  # they reach the workers with the next call
+            self._requeued_ids += [r.seq_id for r in batch.preempted]
+            time.sleep(_HELD_IDLE_S)  # the replacement draft is loading: leave it the CPU
+            return
         sample = self._step_shape(batch) if learns else None  # what the step runs, before the counters move
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft

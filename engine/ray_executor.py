@@ -47,6 +47,9 @@ class RayExecutor:
         self.endpoints: dict[str, list[str]] = {}  # role -> the workers' zmq addresses (diagnostics, tests)
         self._in_flight: dict[str, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
         self._replies: dict[str, Any] = {}  # zmq replies that arrived while waiting for the other role
+        # The draft's death, noticed while waiting for the target: the verifier was told its pending laws will
+        # not come (``_watch_law_sender``), and the target's reply says whether it needed them.
+        self._law_sender_died: WorkerDiedError | None = None
         try:
             if not ray.is_initialized():
                 self._init_ray(parallel, draft is not None)
@@ -222,6 +225,8 @@ class RayExecutor:
                     raise WorkerDiedError(role, refs.index(ref), died_because(ref),
                                           STEP_TIMEOUT_S - (deadline - time.monotonic())) from None
             self._liveness.check(role, STEP_TIMEOUT_S - (deadline - time.monotonic()))
+            if role == "target":
+                self._watch_law_sender(STEP_TIMEOUT_S - (deadline - time.monotonic()))
             if pending and time.monotonic() > deadline:
                 raise WorkerStuckError(role, STEP_TIMEOUT_S)
         decoded = [codec.decode(r) for r in ray.get(refs)]
@@ -254,6 +259,8 @@ class RayExecutor:
             now = time.monotonic()
             if now >= next_check:  # also while the other role's replies keep arriving
                 self._liveness.check(role, now - start)
+                if role == "target":
+                    self._watch_law_sender(now - start)
                 next_check = now + POLL_S
                 if now - start > STEP_TIMEOUT_S:
                     raise WorkerStuckError(role, STEP_TIMEOUT_S)
@@ -268,6 +275,20 @@ class RayExecutor:
                 raise RuntimeError(f"worker failed:\n{error}")
             time.sleep(POLL_S / 2)
 
+    def _watch_law_sender(self, waited_s: float) -> None:
+        """While the target verifies, the draft's laws may still be on their way to it: if the draft died, tell
+        the verifier now (a Ray call, whatever the transport: the actor serves it on another thread) that the
+        trees its generation numbered will not come, so it stops waiting and answers at once."""
+        if self._law_sender_died is not None or not self._actors["draft"]:
+            return
+        try:
+            self._liveness.check("draft", waited_s)
+        except WorkerDiedError as e:
+            self._law_sender_died = e
+            # Generation g numbers its trees from (g - 1) << 40 (``_connect_laws``): every id below g << 40.
+            self._actors["target"][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
+                                                       self._generation["draft"] << 40)
+
     def submit_draft(self, msg: DraftStep) -> None:
         self._submit("draft", codec.encode(msg))
 
@@ -278,7 +299,19 @@ class RayExecutor:
         self._submit("target", codec.encode(msg))
 
     def wait_target(self) -> TargetStepOutput:
-        return self._wait("target")
+        out: TargetStepOutput = self._wait("target")
+        if out.laws_error is not None:  # the step verified nothing: abandoned, like any step a worker died in
+            died = self._law_sender_died
+            if died is None:  # told by nobody: the verifier's last-resort timeout, or a death seen just now
+                try:
+                    self._liveness.check("draft")
+                except WorkerDiedError as e:
+                    died = e
+            if died is None:
+                raise RuntimeError(f"the target could not verify, although the draft worker is alive: "
+                                   f"{out.laws_error}")
+            raise died
+        return out
 
     # ------------------------------------------------------------------------------------------- recovery
     def discard_in_flight(self, role: str) -> None:
@@ -294,6 +327,8 @@ class RayExecutor:
         start new ones, which load their shards and form a new torch.distributed group in the background.
         The placement group is re-created, so a rank whose node is gone lands wherever the cluster has room."""
         self.discard_in_flight(role)
+        if role == "draft":
+            self._law_sender_died = None  # the next generation's trees can arrive again
         self._close_role(role)
         self._kill_role(role)
         self._remove_groups([role])

@@ -17,18 +17,27 @@ On a ``WorkerDiedError`` the engine hands the error here (one hook in ``LLMEngin
 
 Outputs: greedy output is the target's argmax chain, so it is identical to a run without the fault. Seeded
 sampling draws from streams keyed by (seed, position) (workers/streams.py), so a request re-prefilled after a
-*target* restart continues exactly its stream. Rounds decoded without the draft are distributed as the target's
-but, being plain decode instead of speculative rounds, do not repeat the no-fault run's draws bit for bit.
+*target* restart continues exactly its stream. A seeded sampled request's tokens also depend on the draft's
+proposals, which only a draft can repeat: while the draft is down such requests are held (no decode rounds,
+their KV kept; ``LLMEngine._needs_draft``) and go on once the replacement, drawing its trees from the same
+(seed, position) streams, is up. Greedy and unseeded requests decode without speculation meanwhile.
+
+Held requests never wait forever: a replacement that is not up within ``draft_start_timeout_s`` counts as one
+more failure (and is started again), so a draft that cannot come back ends in ``TooManyRestartsError``, which
+stops the engine like any exhausted budget.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.faults import TooManyRestartsError, WorkerDiedError
+
+DRAFT_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -80,6 +89,8 @@ class Recovery:
         self.stats = RecoveryStats()
         self._recent: deque[tuple[float, str]] = deque()  # (time, description) of failures in the window
         self._restarting: dict[str, float] = {}  # role started in the background -> when it was noticed
+        self._started: dict[str, float] = {}  # role started in the background -> when its replacement began
+        self.draft_start_timeout_s = DRAFT_START_TIMEOUT_S
 
     @property
     def degraded(self) -> bool:
@@ -99,7 +110,8 @@ class Recovery:
             try:
                 getattr(executor, f"wait_{role}")()  # an abandoned step's reply: dropped
             except WorkerDiedError as e:
-                dead.append(e)
+                if e.role != err.role:  # the target's reply may name the dead draft again (its laws): once
+                    dead.append(e)
         while dead:
             e = dead.pop(0)
             self._admit(e)
@@ -118,6 +130,12 @@ class Recovery:
         except RuntimeError as e:
             del self._restarting["draft"]
             self.recover(WorkerDiedError("draft", None, f"its replacement failed to start: {e}"))
+            return
+        took = time.monotonic() - self._started["draft"]
+        if not ready and took > self.draft_start_timeout_s:
+            del self._restarting["draft"]
+            self.recover(WorkerDiedError("draft", None, f"its replacement was not up after {took:.0f} s "
+                                         "(SPECSERVE_STEP_TIMEOUT_S)"))
             return
         if ready:
             self.engine.resume_draft()
@@ -144,6 +162,7 @@ class Recovery:
         self.engine.lose_worker_state(role)
         if role == "draft":
             self._restarting[role] = noticed
+            self._started[role] = time.monotonic()
             return
         try:
             executor.finish_restart(role, block=True)

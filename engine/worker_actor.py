@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import socket
 import threading
 import traceback
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from engine import codec
+from engine.faults import injected_fault
 from engine.frames import FrameAuth
 from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
@@ -197,13 +199,24 @@ class WorkerProcess:
         push.connect(address)
         lock = threading.Lock()  # Ray calls and the zmq loop may both run steps: one sender at a time
         auth = FrameAuth(self.secret, f"the law sender of draft rank {self.rank}")
+        die_at = injected_fault("draft_dies_before_laws")  # tests only (engine/faults.py)
+        sent = [0]
 
         def send(laws) -> None:
             frame = codec.encode([pack_laws(d) for d in laws])  # compact: supports, exact float32
             with lock:
+                sent[0] += 1
+                if sent[0] == die_at:  # the frame is lost; the reply goes out, then this process dies
+                    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                    return
                 push.send_multipart(auth.seal([frame]), copy=False)
 
         self.worker.law_sink = send
+
+    def fail_laws(self, error: str, below: int) -> None:
+        """Target rank 0: the draft that numbered trees below ``below`` died; a verification waiting for their laws
+        stops now (workers/law_channel.py). Served on its own thread while a step may be running."""
+        self.worker.law_store.fail(error, below)
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -20,7 +20,7 @@ job runs; preemption victims are always chosen lowest priority first.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,7 +152,9 @@ class Scheduler:
         self.running.remove(req)
         self._enqueue(req, front=True)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, held: Callable[[Request], bool] | None = None) -> ScheduledBatch:
+        """``held``: running requests it is true for get no decode round this step (they keep their KV; prefill
+        chunks still run). The engine holds seeded sampled requests while the draft is being replaced."""
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         # A full running set of lower-priority work yields one slot to a higher-priority arrival.
@@ -162,7 +164,7 @@ class Scheduler:
             self._preempt(victim)
             out.preempted.append(victim)
         short_of_kv = False
-        decoding = [r for r in self.running if not r.is_prefilling]
+        decoding = [r for r in self.running if not r.is_prefilling and not (held is not None and held(r))]
         # The policy shapes every round at once: the best depth of one request depends on the others' (they
         # share the verify and draft forwards).
         shapes = self.policy.plan(decoding) if self.policy is not None else [()] * len(decoding)
@@ -211,7 +213,9 @@ class Scheduler:
             self._reserve(req, end)
             out.prefills.append(PrefillChunk(req, start, end))
             budget -= end - start
-        if out.empty and self.running and not out.preempted:
+        # Requests held back from decoding: an empty batch is expected then, not a sign the pool is too small.
+        waiting_on_hold = held is not None and any(held(r) for r in self.running if not r.is_prefilling)
+        if out.empty and self.running and not out.preempted and not waiting_on_hold:
             if len(self.running) == 1:
                 raise MemoryError("the KV cache is too small for even one request: raise num_kv_blocks "
                                   f"(target pool {self.target_blocks.num_blocks} blocks of "

@@ -96,3 +96,25 @@ def test_failures_older_than_the_window_do_not_count(monkeypatch: pytest.MonkeyP
     rec.recover(WorkerDiedError("target", 0, "new"))  # the old one left the window
     with pytest.raises(TooManyRestartsError):
         rec.recover(WorkerDiedError("target", 0, "too soon"))
+
+
+def test_a_draft_that_never_comes_back_ends_in_the_budget_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seeded sampled requests wait for the draft (LLMEngine._needs_draft): a replacement that never gets up must
+    # not leave them waiting forever. Each overdue start counts as one more failure, until the budget is spent.
+    import engine.recovery as recovery
+
+    now = [1000.0]
+    monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
+    ex = FakeExecutor(in_flight=[])  # finish_restart(block=False) never reports ready
+    rec = Recovery(FakeEngine(ex), max_restarts=2, window_s=3600)
+    rec.draft_start_timeout_s = 100
+    rec.recover(WorkerDiedError("draft", 0, "killed"))
+    now[0] += 50
+    rec.poll()
+    assert rec.degraded and rec.stats.restarts == {"draft": 1}  # still within its start time
+    now[0] += 51
+    rec.poll()  # overdue: started again
+    assert rec.stats.restarts == {"draft": 2} and "was not up after 101 s" in rec.stats.failures[-1]
+    now[0] += 101
+    with pytest.raises(TooManyRestartsError, match="was not up after"):
+        rec.poll()

@@ -342,3 +342,21 @@ def test_policy_depth_and_exact_reservation() -> None:
     assert (a.num_cached_target, a.num_cached_draft) == (6, 6)  # in-flight token + 1 accepted node
     assert len(sched.target_blocks.tables[0]) == 6  # the target's scratch is given back at once
     assert (a.stats.num_rounds, a.stats.num_drafted, a.stats.num_accepted, a.stats.num_bonus) == (1, 6, 1, 0)
+
+
+def test_held_requests_get_no_round_and_keep_their_kv() -> None:
+    # While the draft is replaced the engine holds seeded sampled requests (LLMEngine._needs_draft).
+    sched = make_sched(nodes=2, draft=True)
+    a, b = make_req(0, 4), make_req(1, 4)
+    sched.add(a)
+    sched.add(b)
+    play(sched, sched.schedule())  # both prefilled
+    blocks = list(sched.target_blocks.tables[b.seq_id])
+    batch = sched.schedule(held=lambda r: r is b)
+    assert batch.rounds == [a] and b.status is RequestStatus.RUNNING
+    assert sched.target_blocks.tables[b.seq_id][: len(blocks)] == blocks  # its KV stays
+    play(sched, batch)
+    # Every running request held, nothing waiting: an empty step, not a preemption or "KV cache too small".
+    batch = sched.schedule(held=lambda r: True)
+    assert batch.empty and not batch.preempted and sched.running == [a, b]
+    assert sched.schedule().rounds == [a, b]  # released: both decode again

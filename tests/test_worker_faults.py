@@ -139,10 +139,13 @@ def test_target_rank0_dies_twice_on_ray_transport(ray_cluster, tp_models: TPMode
 @pytest.mark.parametrize("transport", ["zmq", "ray"])
 def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluster, tp_models: TPModels,
                                                                        reference, transport: str) -> None:
+    # Greedy requests decode without speculation while the draft is replaced; seeded sampled ones wait for it
+    # (their tokens depend on its proposals), so both come out as without the fault.
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, transport=transport) as llm:
         engine = llm.engine
-        for i, p in enumerate(TP_PROMPTS):
-            engine.add_request(str(i), p, GREEDY)
+        reqs = [engine.add_request(str(i), p, sp) for i, (p, sp) in
+                enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True))]
+        seeded = reqs[len(TP_PROMPTS):]
         outs: dict[str, list[int]] = {}
         for _ in range(2):
             engine.step_finished()
@@ -154,13 +157,17 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
         assert engine.recovery.stats.noticed_at[0] - start < DETECT_S
         assert not engine.draft_up and engine.recovery.degraded
         plain_before = engine.stats.num_plain_rounds
+        held = [len(r.output_token_ids) for r in seeded]
         deadline = time.monotonic() + 240
         while engine.has_unfinished:
             assert time.monotonic() < deadline
+            down = not engine.draft_up
             for o in engine.step_finished():
                 outs[o.request_id] = o.token_ids
-        assert [outs[str(i)] for i in range(len(TP_PROMPTS))] == reference[0]
-        assert engine.stats.num_plain_rounds > plain_before  # decoded without the draft meanwhile
+            if down and not engine.draft_up:  # a step run with the draft down gave the seeded requests nothing
+                assert [len(r.output_token_ids) for r in seeded] == held
+        assert [outs[str(i)] for i in range(len(PARAMS))] == reference[0] + reference[1]
+        assert engine.stats.num_plain_rounds > plain_before  # greedy decoded without the draft meanwhile
         # Keep serving until the new draft is up, then speculation resumes with the same output.
         while engine.recovery.degraded:
             assert time.monotonic() < deadline
@@ -173,6 +180,61 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
         again = llm.generate([TP_PROMPTS[1]], GREEDY)[0].token_ids
         assert again == reference[0][1]
         assert engine.stats.num_rounds > rounds  # speculative rounds again
+
+
+@pytest.mark.parametrize("transport,pipeline", [("zmq", False), ("ray", True)])
+def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: TPModels, reference,
+                                                       monkeypatch: pytest.MonkeyPatch, transport: str,
+                                                       pipeline: bool) -> None:
+    # The draft replies, then dies before its laws reach target rank 0 (injected: engine/faults.py), so the
+    # verifier waits for laws that never come. It used to wait 10 minutes (here: the fixture's 30 s step timeout,
+    # then WorkerStuckError); now the controller notices the death while it waits for the target and ends it.
+    monkeypatch.setenv("SPECSERVE_FAULT", "draft_dies_before_laws=3")
+    with LLM(tp_models.target, {**speculative(tp_models), "pipeline": pipeline}, tensor_parallel_size=2,
+             transport=transport) as llm:
+        monkeypatch.delenv("SPECSERVE_FAULT")  # the replacement draft starts without the fault
+        engine = llm.engine
+        for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True)):
+            engine.add_request(str(i), p, sp)
+        outs: dict[str, list[int]] = {}
+        noticed_s = None  # from the start of the step that noticed the death to the notice
+        deadline = time.monotonic() + 240
+        while engine.has_unfinished:
+            assert time.monotonic() < deadline, "the job did not finish in time"
+            failures, start = len(engine.recovery.stats.failures), time.monotonic()
+            for o in engine.step_finished():
+                outs[o.request_id] = o.token_ids
+            if len(engine.recovery.stats.failures) > failures and noticed_s is None:
+                noticed_s = engine.recovery.stats.noticed_at[0] - start
+        stats = engine.recovery.stats
+    assert noticed_s is not None, "the injected fault never fired"
+    assert noticed_s < DETECT_S + 1.0  # the draft is killed 1 s after its reply
+    assert stats.restarts == {"draft": 1} and "draft rank 0 died" in stats.failures[0]
+    ordered = [outs[str(i)] for i in range(len(PARAMS))]
+    assert (ordered[: len(TP_PROMPTS)], ordered[len(TP_PROMPTS):]) == reference  # greedy and seeded
+
+
+def test_law_store_fails_the_waits_for_a_dead_drafts_trees_only() -> None:
+    # The verifier's side of the fix above, without Ray: fail(below=...) ends a wait for laws the dead draft
+    # numbered, at once and also while waiting; the replacement's trees (numbered from there on) still arrive.
+    import threading
+
+    import torch
+
+    from workers.law_channel import DraftLaws, LawStore, LawsUnavailable
+
+    store = LawStore(timeout_s=30)
+    threading.Timer(0.2, store.fail, ("the draft died", 1 << 40)).start()
+    start = time.monotonic()
+    with pytest.raises(LawsUnavailable, match="the draft died"):
+        store.take(0, 5, 1, "cpu")  # waiting when the notice comes
+    with pytest.raises(LawsUnavailable, match="the draft died"):
+        store.take(0, 6, 1, "cpu")  # already known
+    assert time.monotonic() - start < 5
+    threading.Timer(0.2, store.put, ([DraftLaws.of(0, 1 << 40, [torch.full((4,), 0.25)])],)).start()
+    assert store.take(0, 1 << 40, 1, "cpu").shape == (1, 4)
+    with pytest.raises(LawsUnavailable, match="alive but stuck"):  # the last resort names itself
+        LawStore(timeout_s=0.3).take(0, 1, 1, "cpu")
 
 
 FORGER = r"""

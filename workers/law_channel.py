@@ -16,12 +16,22 @@ sent once.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+# The last resort for a draft that is alive but never sends a tree's laws (stuck). A dead draft is noticed by the
+# controller within seconds, which then fails the wait (``LawStore.fail``): this timeout is never how a death is
+# found. The same knob as the controller's per-step limit (engine/ray_executor.py).
+LAW_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
+
+
+class LawsUnavailable(RuntimeError):
+    """The laws of a tree being verified will not come: their sender died, or (last resort) never sent them."""
 
 
 @dataclass
@@ -115,12 +125,14 @@ class LawStore:
     finishes: at most a round's pre-drafted trees per sequence stay.
     """
 
-    timeout_s: float = 600.0
+    timeout_s: float = LAW_TIMEOUT_S
     _laws: dict[int, TreeLaws | DraftLaws] = field(default_factory=dict)
     _by_seq: dict[int, list[int]] = field(default_factory=dict)
     _finished: set[int] = field(default_factory=set)  # a late frame for these is dropped on arrival
     _cond: threading.Condition = field(default_factory=threading.Condition)
-    _error: str | None = None
+    _error: str | None = None  # no tree's laws can arrive any more (the receiver failed)
+    _lost_below: int = 0  # trees with a lower id can no longer arrive: the draft that numbered them died
+    _lost_error: str = ""
 
     def put(self, laws: list[TreeLaws] | list[DraftLaws]) -> None:
         with self._cond:
@@ -131,23 +143,34 @@ class LawStore:
                 self._by_seq.setdefault(t.seq_id, []).append(t.tree_id)
             self._cond.notify_all()
 
-    def fail(self, error: str) -> None:
-        """The sender is gone: wake every waiter with this error instead of letting it wait out the timeout."""
+    def fail(self, error: str, below: int | None = None) -> None:
+        """Wake every waiter with ``error`` instead of letting it wait out the timeout: for every tree
+        (``below`` None: the receiver is gone), or for the trees numbered below ``below`` (their draft died; a
+        replacement numbers its trees from there on, engine/worker_actor.py ``connect_laws``)."""
         with self._cond:
-            self._error = error
+            if below is None:
+                self._error = error
+            elif below > self._lost_below:
+                self._lost_below, self._lost_error = below, error
             self._cond.notify_all()
 
     def take(self, seq_id: int, tree_id: int, num_nodes: int, device: torch.device | str) -> torch.Tensor:
-        """[num_nodes, V]: the laws of tree ``tree_id``, waiting for them if they are still on the way."""
+        """[num_nodes, V]: the laws of tree ``tree_id``, waiting for them if they are still on the way.
+
+        Raises LawsUnavailable once they cannot come (``fail``), or after ``timeout_s`` as a last resort."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             while tree_id not in self._laws:
                 left = deadline - time.monotonic()
                 if self._error is not None:
-                    raise RuntimeError(f"the draft's laws for tree {tree_id} cannot arrive: {self._error}")
+                    raise LawsUnavailable(f"the draft's laws for tree {tree_id} cannot arrive: {self._error}")
+                if tree_id < self._lost_below:
+                    raise LawsUnavailable(f"the draft's laws for tree {tree_id} cannot arrive: {self._lost_error}")
                 if left <= 0:
-                    raise TimeoutError(f"the draft's laws for tree {tree_id} (sequence {seq_id}) did not arrive "
-                                       f"within {self.timeout_s:g} s: is the draft worker alive?")
+                    raise LawsUnavailable(
+                        f"the draft's laws for tree {tree_id} (sequence {seq_id}) did not arrive within "
+                        f"{self.timeout_s:g} s. A dead draft worker is noticed within seconds and ends this wait, "
+                        "so the draft is alive but stuck (SPECSERVE_STEP_TIMEOUT_S is this last-resort limit)")
                 self._cond.wait(min(left, 1.0))
             msg = self._laws[tree_id]
             older = [t for t in self._by_seq.get(seq_id, []) if t < tree_id]

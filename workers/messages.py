@@ -161,6 +161,9 @@ class TargetStepOutput:
     first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
     results: list[VerifyResult]  # one per VerifySeq, same order
     elapsed_s: float = 0.0  # worker-side time of the whole step
+    # Set when a tree's laws could not come (their draft died, or never sent them): nothing was verified or
+    # committed past the in-flight tokens, ``results`` is empty, and the controller abandons the step.
+    laws_error: str | None = None
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 import torch
 
 from workers.input_batch import SeqForward
-from workers.law_channel import LawStore
+from workers.law_channel import LawStore, LawsUnavailable
 from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
 from workers.sampling import logits_to_probs, sample
 from workers.streams import TARGET_SALT, stream
@@ -61,12 +61,22 @@ class TargetWorker(WorkerBase):
 
         first_tokens: dict[int, int] = {}
         results: list[VerifyResult] = []
+        laws_error = None
         if self.tp.is_first:
             first_tokens = self._sample_first(sampled, logits[: len(sampled)])
-            results = self._verify(msg.seqs, logits[len(sampled):])
+            try:
+                results = self._verify(msg.seqs, logits[len(sampled):])
+            except LawsUnavailable as e:
+                # Not raised past the broadcast: the other ranks wait in it, and a rank that skipped it would
+                # leave the group's collectives out of step for every later call. No path is accepted; the
+                # in-flight tokens' KV is committed as it is (real tokens, rewritten identically next time).
+                laws_error = str(e)
+                results = [VerifyResult([], [], 0, False) for _ in msg.seqs]
         paths = self.tp.broadcast_int_lists([r.accepted_nodes for r in results] if self.tp.is_first else None,
                                             len(msg.seqs), self.device)
         self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])
+        if laws_error is not None:
+            return TargetStepOutput({}, [], time.perf_counter() - start, laws_error)
         return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
 
     def _sample_first(self, sampled: list[PrefillSeq], logits: torch.Tensor) -> dict[int, int]:
