@@ -58,6 +58,23 @@ def test_shipped_v4_greedy_equals_oracle_and_speculation_equals_no_speculation(v
 
 
 @shipped
+def test_shipped_v4_logits_equal_the_oracle_over_a_long_prompt() -> None:
+    """Greedy output of an undertrained model can hide an error (it often repeats one token); the logits of a
+    300-token code prompt, fed in uneven chunks (crossing every window kind many times), cannot."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers_v4 import feed
+    from workers.compressed_state import SeqState
+    from workers.models.deepseek_v4 import load_deepseek_v4
+
+    text = (DEFAULT_MODELS_DIR / "prompts.jsonl").read_text(encoding="utf-8")
+    tokens = AutoTokenizer.from_pretrained(str(V4_DIR)).encode(text)[:300]
+    ours = load_deepseek_v4(str(V4_DIR), dtype=torch.float32)
+    got = feed(ours, ours.config, SeqState.empty(ours.config), tokens, chunk=7)  # [300, V]
+    torch.testing.assert_close(got.float(), oracle_logits(_hf(str(V4_DIR)), tokens), atol=1e-3, rtol=1e-3)
+
+
+@shipped
 def test_v4_short_name_uses_the_built_in_draft() -> None:
     cfg = EngineArgs(target="v4").to_engine_config()
     assert cfg.target == str(V4_DIR) and cfg.speculative is not None

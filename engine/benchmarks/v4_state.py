@@ -112,11 +112,12 @@ def builtin_prompts(n: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(n)]
 
 
-def engine_throughput(max_tokens: int, target: str | None = None, draft: str | None = None) -> list[dict[str, Any]]:
+def engine_throughput(max_tokens: int, target: str | None = None, draft: str | None = None,
+                      temperature: float = 0.0) -> list[dict[str, Any]]:
     from engine.llm import LLM
     from scheduler.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
     if target is None:
         from tests.helpers_v4 import make_bigram_draft, mostly_bigram_v4
 
@@ -143,7 +144,7 @@ def engine_throughput(max_tokens: int, target: str | None = None, draft: str | N
             dt = time.perf_counter() - t
             n = sum(len(o.token_ids) for o in outs)
             mal = llm.engine.stats.mean_acceptance_length if sp else 1.0
-            out.append({"batch": batch, "mode": name, "tokens_per_s": round(n / dt, 1),
+            out.append({"batch": batch, "temperature": temperature, "mode": name, "tokens_per_s": round(n / dt, 1),
                         "mean_acceptance_length": round(mal, 2)})
             print(json.dumps(out[-1]), flush=True)
             llm.shutdown()
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", action="store_true", help="also measure engine tokens/s on the tiny V4 pair")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="engine runs: sampling temperature")
+    ap.add_argument("--skip-state", action="store_true", help="only the engine runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -171,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         args.target = default_model_dirs(builtin_target_name(args.target))[0]
     model = (load_deepseek_v4(args.target, dtype=torch.float32) if args.target else
              random_v4(args.hidden, args.layers, args.window, args.hca))
-    results: dict[str, Any] = {"state": [state_costs(model, c, args.branching, args.repeats) for c in args.context]}
+    results: dict[str, Any] = {} if args.skip_state else {
+        "state": [state_costs(model, c, args.branching, args.repeats) for c in args.context]}
     if args.engine:
-        results["engine"] = engine_throughput(args.max_tokens, args.target, args.draft)
+        results["engine"] = engine_throughput(args.max_tokens, args.target, args.draft, args.temperature)
     text = json.dumps(results, indent=1)
     print(text)
     if args.json:
