@@ -75,6 +75,17 @@ def test_shipped_v4_logits_equal_the_oracle_over_a_long_prompt() -> None:
 
 
 @shipped
+def test_shipped_v4_files() -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(V4_DIR / "model.safetensors"), "pt") as f:
+        params = sum(f.get_tensor(k).numel() for k in f.keys() if not k.endswith("tid2eid"))
+    assert 2e6 <= params <= 5e6 and (V4_DIR / "model.safetensors").stat().st_size <= 10 * 2**20
+    # The built-in draft's vocabulary, byte for byte: that is what lets it draft for this target.
+    assert (V4_DIR / "tokenizer.json").read_bytes() == (DRAFT_DIR / "tokenizer.json").read_bytes()
+
+
+@shipped
 def test_v4_short_name_uses_the_built_in_draft() -> None:
     cfg = EngineArgs(target="v4").to_engine_config()
     assert cfg.target == str(V4_DIR) and cfg.speculative is not None
