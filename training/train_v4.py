@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=CONTEXT)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--kl", type=float, default=0.7, help="weight of KL(teacher || V4); 1 - kl on the data CE")
-    p.add_argument("--eval-tokens", type=int, default=32768)
+    p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens (as training.evaluate)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 200 files, 2 steps")
