@@ -18,9 +18,21 @@ TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
 SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
 
 
-def default_model_dirs() -> tuple[str, str]:
-    """The built-in target/draft pair shipped in engine/default_models; a clear error when it is missing."""
-    target, draft = DEFAULT_MODELS_DIR / "target", DEFAULT_MODELS_DIR / "draft"
+# Short names of other built-in targets (same tokenizer as the built-in draft, which is their default draft).
+BUILTIN_TARGETS = {"v4": "v4-target"}  # a tiny trained DeepSeek-V4 (compressed state); see MODEL_CARD.md
+
+
+def builtin_target_name(name: str | None) -> str | None:
+    """``name`` when it is a built-in target's short name (and not an existing path), else None."""
+    ok = isinstance(name, str) and name.lower() in BUILTIN_TARGETS and not os.path.exists(name)
+    return name.lower() if ok else None  # type: ignore[union-attr]
+
+
+def default_model_dirs(target_name: str | None = None) -> tuple[str, str]:
+    """The built-in target (``target_name``: a short name of BUILTIN_TARGETS; default: the Llama target) and
+    the built-in draft, shipped in engine/default_models; a clear error when one is missing."""
+    target = DEFAULT_MODELS_DIR / (BUILTIN_TARGETS[target_name] if target_name else "target")
+    draft = DEFAULT_MODELS_DIR / "draft"
     for d in (target, draft):
         if not (d / "config.json").is_file():
             raise FileNotFoundError(
@@ -275,6 +287,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # Short names (``smollm2``) become the GGUF file a pip package installed; a missing package is an
         # error naming the install command.
+        if builtin_target_name(self.target):
+            self.target = default_model_dirs(builtin_target_name(self.target))[0]
         self.target = resolve_model_path(self.target)
         _check_model_path("target model", self.target)
         if self.speculative is not None:

@@ -79,9 +79,17 @@ def test_batch_of_eight_mixed_requests_with_chunked_prefill(v4) -> None:
     assert engine.stats.num_accepted > 0
 
 
-def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path) -> None:
-    """The 3-token sampled law with an i.i.d. tree [2, 2] on a V4 target is the target's (chi-square, the
-    harness of test_engine_sampling): a 12-token V4 with CSA ratio 2, HCA ratio 4 and window 2, so the
+V4_SAMPLING_CASES = {  # sibling rule -> (branching, law); the rules and laws of test_engine_sampling's CASES
+    "iid": ([2, 2], (1.0, -1, 1.0)),
+    "without_replacement": ([3, 2], (0.7, -1, 1.0)),
+    "deterministic": ([2, 1], (1.0, -1, 1.0)),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(V4_SAMPLING_CASES))
+def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path, rule: str) -> None:
+    """The 3-token sampled law with trees on a V4 target is the target's, for every sibling rule (chi-square,
+    the harness of test_engine_sampling): a 12-token V4 with CSA ratio 2, HCA ratio 4 and window 2, so the
     generated positions complete summaries; draft: the small-vocabulary Qwen3 (another architecture)."""
     import itertools
 
@@ -97,8 +105,8 @@ def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path) -> None:
     with torch.inference_mode(), stable_indexer_topk():
         logits = hf(ids, use_cache=False).logits[:, len(PROMPT) - 1:].double().numpy()  # [V^3, 4, V]
     logits = logits.reshape(12, 12, 12, 4, 12)
-    law = (1.0, -1, 1.0)
-    (tokens,), llm = sample_engine(str(tmp_path), spec(draft, None, [2, 2], "iid"), [law])
+    branching, law = V4_SAMPLING_CASES[rule]
+    (tokens,), llm = sample_engine(str(tmp_path), spec(draft, None, branching, rule), [law])
     stats = llm.engine.stats
     assert stats.num_rounds >= N and 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()
     pvalues = pair_pvalues(tokens, exact_joint(logits, *law))

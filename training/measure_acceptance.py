@@ -20,14 +20,15 @@ import torch
 SECTION = "## Acceptance measured with specserve"
 
 
-def measure(models: Path, ks: list[int], temperatures: list[float], num_prompts: int, max_tokens: int) -> list[dict]:
+def measure(models: Path, ks: list[int], temperatures: list[float], num_prompts: int, max_tokens: int,
+            target: str = "target") -> list[dict]:
     from engine import LLM, SamplingParams
 
     with open(models / "prompts.jsonl", encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()][:num_prompts]
     rows = []
     for k in ks:
-        llm = LLM(str(models / "target"), speculative_config={"model": str(models / "draft"),
+        llm = LLM(str(models / target), speculative_config={"model": str(models / "draft"),
                                                                "num_speculative_tokens": k})
         for temp in temperatures:
             llm.engine.stats.__init__()
@@ -72,16 +73,18 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--update-card", action="store_true")
+    ap.add_argument("--target", default="target",
+                    help="the target's folder under --models, e.g. v4-target (the built-in DeepSeek-V4)")
+    ap.add_argument("--update-card", action="store_true", help="rewrite the card's table (the default target only)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.models, [int(k) for k in args.ks.split(",")],
-                   [float(t) for t in args.temperatures.split(",")], args.num_prompts, args.max_tokens)
+                   [float(t) for t in args.temperatures.split(",")], args.num_prompts, args.max_tokens, args.target)
     command = (f"python -m training.measure_acceptance --num-prompts {args.num_prompts} "
                f"--max-tokens {args.max_tokens}")
     section = table(rows, args.num_prompts, args.max_tokens, command)
     print(section)
-    if args.update_card:
+    if args.update_card and args.target == "target":
         update_card(args.models / "MODEL_CARD.md", section)
 
 

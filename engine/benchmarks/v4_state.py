@@ -6,11 +6,13 @@ For one sequence with ``--context`` committed tokens and a candidate tree (``--b
 - the time of building the tree plan and of committing the accepted path, against the verify forward.
 Then, with ``--engine``, output tokens/s of the engine with no speculation, a chain and a tree, at batch 1 and 8.
 
-The model is a random V4 of the given size (transformers' ``DeepseekV4Config``; ``--target`` for a checkpoint);
-the engine numbers use the tests' tiny V4 pair (a mostly-bigram V4 and a bigram Llama draft), since no trained
-V4 target ships yet.
+The model is a random V4 of the given size (transformers' ``DeepseekV4Config``) or ``--target`` (a checkpoint
+directory, or ``v4``: the built-in trained V4). Engine numbers: with ``--target``, that target with ``--draft``
+(default: the built-in draft) on the built-in held-out prompts; without, the tests' tiny V4 pair (a
+mostly-bigram V4 and a bigram Llama draft).
 
     python -m engine.benchmarks.v4_state --context 2048 --branching 2 2 1 --engine
+    python -m engine.benchmarks.v4_state --target v4 --context 256 480 --engine --max-tokens 64
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engine.config import DEFAULT_MODELS_DIR, builtin_target_name, default_model_dirs
 from workers import compressed_state as cs
 from workers.models.deepseek_v4 import DeepseekV4ForCausalLM, load_deepseek_v4
 from workers.models.deepseek_v4_config import DeepseekV4ModelConfig
@@ -102,39 +105,57 @@ def state_costs(model: DeepseekV4ForCausalLM, context: int, branching: list[int]
     }
 
 
-def engine_throughput(max_tokens: int) -> list[dict[str, Any]]:
+def builtin_prompts(n: int) -> list[str]:
+    """The first ``n`` built-in held-out prompts (cycled), cut to 300 characters to leave room in a 512 context."""
+    with open(DEFAULT_MODELS_DIR / "prompts.jsonl", encoding="utf-8") as f:
+        texts = [json.loads(line)["prompt"][:300] for line in f if line.strip()]
+    return [texts[i % len(texts)] for i in range(n)]
+
+
+def engine_throughput(max_tokens: int, target: str | None = None, draft: str | None = None,
+                      temperature: float = 0.0) -> list[dict[str, Any]]:
     from engine.llm import LLM
     from scheduler.sampling_params import SamplingParams
-    from tests.helpers_v4 import make_bigram_draft, mostly_bigram_v4
 
-    root = tempfile.mkdtemp()
-    hf = mostly_bigram_v4(seed=3, vocab_size=128)
-    hf.save_pretrained(f"{root}/target")
-    draft = make_bigram_draft(f"{root}/draft", hf)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
+    if target is None:
+        from tests.helpers_v4 import make_bigram_draft, mostly_bigram_v4
+
+        root = tempfile.mkdtemp()
+        hf = mostly_bigram_v4(seed=3, vocab_size=128)
+        hf.save_pretrained(f"{root}/target")
+        target, draft = f"{root}/target", make_bigram_draft(f"{root}/draft", hf)
+        prompt_sets: dict[int, list[Any]] = {
+            b: [[1] + [(7 * i + 3 * c) % 120 + 3 for i in range(20)] for c in range(b)] for b in (1, 8)}
+    else:
+        draft = draft or default_model_dirs()[1]
+        prompt_sets = {b: builtin_prompts(b) for b in (1, 8)}
     modes = {"no_spec": None,
              "chain4": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
              "tree221": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
                          "tree_branching": [2, 2, 1]}}
     out = []
-    for batch in (1, 8):
-        prompts = [[1] + [(7 * i + 3 * b) % 120 + 3 for i in range(20)] for b in range(batch)]
+    for batch, prompts in prompt_sets.items():
         for name, sp in modes.items():
-            llm = LLM(f"{root}/target", sp)
+            llm = LLM(target, sp)
             llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm up
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t
             n = sum(len(o.token_ids) for o in outs)
             mal = llm.engine.stats.mean_acceptance_length if sp else 1.0
-            out.append({"batch": batch, "mode": name, "tokens_per_s": round(n / dt, 1),
+            out.append({"batch": batch, "temperature": temperature, "mode": name, "tokens_per_s": round(n / dt, 1),
                         "mean_acceptance_length": round(mal, 2)})
+            print(json.dumps(out[-1]), flush=True)
+            llm.shutdown()
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", help="a V4 checkpoint directory (default: a random V4 of --hidden/--layers)")
+    ap.add_argument("--target", help="a V4 checkpoint directory or 'v4' (the built-in one); default: a random V4 "
+                                     "of --hidden/--layers")
+    ap.add_argument("--draft", help="draft for --engine with --target (default: the built-in draft)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--window", type=int, default=128)
@@ -144,14 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engine", action="store_true", help="also measure engine tokens/s on the tiny V4 pair")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="engine runs: sampling temperature")
+    ap.add_argument("--skip-state", action="store_true", help="only the engine runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = (load_deepseek_v4(args.target) if args.target else
+    if args.target and builtin_target_name(args.target):
+        args.target = default_model_dirs(builtin_target_name(args.target))[0]
+    model = (load_deepseek_v4(args.target, dtype=torch.float32) if args.target else
              random_v4(args.hidden, args.layers, args.window, args.hca))
-    results: dict[str, Any] = {"state": [state_costs(model, c, args.branching, args.repeats) for c in args.context]}
+    results: dict[str, Any] = {} if args.skip_state else {
+        "state": [state_costs(model, c, args.branching, args.repeats) for c in args.context]}
     if args.engine:
-        results["engine"] = engine_throughput(args.max_tokens)
+        results["engine"] = engine_throughput(args.max_tokens, args.target, args.draft, args.temperature)
     text = json.dumps(results, indent=1)
     print(text)
     if args.json:
