@@ -19,7 +19,15 @@ import httpx
 import openai
 
 from engine.faults import TooManyRestartsError
-from tests.helpers_server import FakeEngine, FakeTokenizer, ThreadServer, fake_stats, metric_value, wait_until
+from tests.helpers_server import (
+    FakeEngine,
+    FakeTokenizer,
+    HealthPoller,
+    ThreadServer,
+    fake_stats,
+    metric_value,
+    wait_until,
+)
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -60,31 +68,6 @@ def _stream(url: str, body: dict, timeout_s: float = 60.0) -> list[str]:
 def _text(events: list[str]) -> str:
     assert events[-1] == "[DONE]", events[-3:]
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"])
-
-
-class HealthPoller:
-    """GET /health every few milliseconds in a thread: the (HTTP status, body status) pairs, in order."""
-
-    def __init__(self, url: str, interval_s: float = 0.01) -> None:
-        self.seen: list[tuple[int, str]] = []
-        self._stop = threading.Event()
-
-        def poll() -> None:
-            with httpx.Client(timeout=10) as c:
-                while not self._stop.is_set():
-                    r = c.get(url + "/health")
-                    s = (r.status_code, r.json().get("status"))
-                    if not self.seen or self.seen[-1] != s:
-                        self.seen.append(s)
-                    self._stop.wait(interval_s)
-
-        self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> list[tuple[int, str]]:
-        self._stop.set()
-        self._thread.join(15)
-        return self.seen
 
 
 def test_a_failed_engine_is_rebuilt_and_its_streams_continue_without_repeating() -> None:
