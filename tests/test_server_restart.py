@@ -46,7 +46,7 @@ class ResumableEngine(FakeEngine):
         self.added.append((request_id, priority, len(output_token_ids or [])))
 
 
-def _server(factory, engine=None, *, max_engine_restarts: int = 3, **kw):
+def _server(factory, engine=None, *, max_engine_restarts: int = 3, restart_backoff_s: float = 0.01, **kw):
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
@@ -54,7 +54,7 @@ def _server(factory, engine=None, *, max_engine_restarts: int = 3, **kw):
 
     ae = AsyncEngine(engine if engine is not None else factory(), max_queue=16, metrics=ServerMetrics("fake"),
                      stats_reader=fake_stats, engine_factory=factory, max_engine_restarts=max_engine_restarts,
-                     restart_backoff_s=0.01, **kw)
+                     restart_backoff_s=restart_backoff_s, **kw)
     return ThreadServer(build_app(ae, ServerConfig("fake"), FakeTokenizer())), ae
 
 
@@ -72,29 +72,55 @@ def _text(events: list[str]) -> str:
 
 def test_a_failed_engine_is_rebuilt_and_its_streams_continue_without_repeating() -> None:
     built: list[ResumableEngine] = []
+    armed, fired = threading.Event(), threading.Event()
 
     def factory() -> ResumableEngine:
         if built:
             time.sleep(0.3)  # a rebuild takes a while (a model loads): /health must say so meanwhile
-        e = ResumableEngine(step_s=0.01, fail_at_step=None if built else 4)
+        e = ResumableEngine(step_s=0.01)
+        if not built:  # the fault hook: once armed, the first engine's next step fails
+            step = e.step
+
+            def faulty_step():
+                if armed.is_set() and not fired.is_set():
+                    fired.set()
+                    raise RuntimeError("worker died")
+                return step()
+
+            e.step = faulty_step
         built.append(e)
         return e
 
     srv, ae = _server(factory)
     health = HealthPoller(srv.url)
     try:
+        wait_until(lambda: health.seen, 10, what="the first /health answer")  # before the fault
         out: dict[int, list[str]] = {}
-        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, _stream(srv.url, {
-            "prompt": "x", "max_tokens": 20 + i}))) for i in range(2)]
+        started = [threading.Event() for _ in range(2)]
+
+        def run(i: int) -> None:
+            body = {"prompt": "x", "max_tokens": 24 + i, "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                events = []
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        events.append(ln[len("data: "):])
+                        started[i].set()
+                out[i] = events
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
+        wait_until(lambda: all(e.is_set() for e in started), 30, what="both streams under way")
+        armed.set()
         for t in threads:
             t.join(60)
-        # Three letters came from the first engine, the rest from the second: once each, in order.
-        assert [_text(out[i]) for i in range(2)] == [LETTERS[:20], LETTERS[:21]]
+        assert fired.is_set()
+        # The first letters came from the first engine, the rest from the second: once each, in order.
+        assert [_text(out[i]) for i in range(2)] == [LETTERS[:24], LETTERS[:25]]
         assert len(built) == 2 and built[0].shut_down and not built[1].shut_down
         resumed = [n for _, _, n in built[1].added]
-        assert len(resumed) == 2 and all(0 < n <= 3 for n in resumed)  # re-admitted from their tokens so far
+        assert len(resumed) == 2 and all(n > 0 for n in resumed)  # re-admitted from their tokens so far
         wait_until(lambda: health.seen[-1] == (200, "ok"), 10, what="/health ok again")
         seen = health.stop()
         assert (503, "restarting") in seen and seen[0] == (200, "ok") and seen[-1] == (200, "ok"), seen
@@ -126,6 +152,25 @@ def test_past_the_restart_budget_the_server_stays_up_and_says_why() -> None:
         assert httpx.get(srv.url + "/v1/models").status_code == 200  # the server itself is up
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "gives up" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_a_rebuild_that_fails_is_tried_again_after_a_backoff() -> None:
+    calls: list[float] = []
+
+    def factory() -> ResumableEngine:
+        calls.append(time.monotonic())
+        if len(calls) == 2:  # the first rebuild fails, as when the new workers cannot be placed
+            raise RuntimeError("could not place the workers")
+        return ResumableEngine(step_s=0.01, fail_at_step=4 if len(calls) == 1 else None)
+
+    srv, ae = _server(factory, restart_backoff_s=0.3)
+    try:
+        assert _text(_stream(srv.url, {"prompt": "x", "max_tokens": 10})) == LETTERS[:10]
+        assert len(calls) == 3 and ae.engine_restarts == 1
+        assert calls[2] - calls[1] >= 0.3  # backed off before the second try
+        assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     finally:
         srv.stop()
 

@@ -53,6 +53,7 @@ def test_streams_survive_a_dead_target_rank_and_health_shows_degraded(  # noqa: 
     srv = ThreadServer(build_app(ae, ServerConfig("tp"), None))
     health = HealthPoller(srv.url, interval_s=0.02)
     try:
+        wait_until(lambda: health.seen, 10, what="the first /health answer")  # before the kill
         got: dict[int, list[str]] = {}
 
         def run(i: int) -> None:

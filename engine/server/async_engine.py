@@ -403,7 +403,8 @@ class AsyncEngine:
             if len(self._restarts) >= self.max_engine_restarts:
                 logger.error("engine restart budget spent: %d restarts within %g s (max_engine_restarts=%d)",
                              len(self._restarts), self.engine_restart_window_s, self.max_engine_restarts)
-                self._dead = err  # before ``_restarting`` clears: never a moment that looks ready
+                # Set before ``_restarting`` clears: never a moment that looks ready.
+                self._dead = err if len(failures) == 1 else RuntimeError("; ".join(failures))
                 self._restarting = None
                 return False
             # The first restart at once; then restart_backoff_s, doubling: a fault that keeps coming back is
