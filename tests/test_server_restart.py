@@ -132,6 +132,24 @@ def test_a_failed_engine_is_rebuilt_and_its_streams_continue_without_repeating()
         srv.stop()
 
 
+def test_a_request_admitted_in_the_failing_step_is_answered_whole() -> None:
+    """Its acknowledgement was due with the step that failed: it must still go out, or the stream would take
+    the new engine's first delta for it (and lose that text)."""
+    built: list[ResumableEngine] = []
+
+    def factory() -> ResumableEngine:
+        built.append(ResumableEngine(step_s=0.01, fail_at_step=None if built else 1))
+        return built[-1]
+
+    srv, _ = _server(factory)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abcde"
+        assert len(built) == 2 and built[1].added[0][2] == 0  # re-admitted before it had any token
+    finally:
+        srv.stop()
+
+
 def test_past_the_restart_budget_the_server_stays_up_and_says_why() -> None:
     built: list[ResumableEngine] = []
 
@@ -252,9 +270,9 @@ def test_engine_restart_with_streams_and_a_batch_job_in_flight(tmp_path) -> None
     from scheduler.sampling_params import SamplingParams
 
     prompts = [json.loads(ln)["prompt"][:40]
-               for ln in (DEFAULT_MODELS_DIR / "prompts.jsonl").read_text().splitlines()][:14]
+               for ln in (DEFAULT_MODELS_DIR / "prompts.jsonl").read_text().splitlines()][:28]
     streams = [(prompts[i], 40) for i in range(4)]  # (prompt, max_tokens)
-    lines = [(prompts[4 + i], 4 + i % 4) for i in range(10)]
+    lines = [(prompts[4 + i], 4 + i % 4) for i in range(24)]  # 4 in flight at a time: the job outlasts the fault
     config = EngineArgs().to_engine_config()
     added: list[tuple[int, str, int, int]] = []  # (engine number, request id, priority, tokens resumed from)
     engines: list[LLMEngine] = []
@@ -309,6 +327,8 @@ def test_engine_restart_with_streams_and_a_batch_job_in_flight(tmp_path) -> None
         fid = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())),
                              purpose="batch").id
         batch = c.batches.create(input_file_id=fid, endpoint="/v1/completions", completion_window="24h")
+        wait_until(lambda: store.get_batch(batch.id)["request_counts"]["completed"] >= 1, 60,
+                   what="a batch line written")
         got: dict[int, list[str]] = {}
         started = [threading.Event() for _ in streams]
 
@@ -326,11 +346,10 @@ def test_engine_restart_with_streams_and_a_batch_job_in_flight(tmp_path) -> None
         threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(len(streams))]
         for t in threads:
             t.start()
-        wait_until(lambda: all(s.is_set() for s in started)
-                   and store.get_batch(batch.id)["request_counts"]["completed"] >= 1, 60,
-                   what="streams under way and a batch line written")
+        wait_until(lambda: all(s.is_set() for s in started), 60, what="the streams under way")
         armed.set()
         wait_until(fired.is_set, 30, what="the injected fault")
+        assert store.get_batch(batch.id)["request_counts"]["completed"] < len(lines)  # the job was in flight
         for t in threads:
             t.join(120)
         assert [_text(got[i]) for i in range(len(streams))] == expected[: len(streams)]
