@@ -7,7 +7,8 @@ asyncio side (routes)                         engine loop thread (owns the LLMEn
   RequestStream ◀── per-request asyncio.Queue ◀── call_soon_threadsafe(one batch per step)
 ```
 
-Nothing but the loop thread touches the engine; the front end only enqueues commands and reads deltas. The loop
+Nothing but the loop thread touches the engine; the front end only enqueues commands and reads deltas (and,
+for ``/health``, a snapshot of the roles the engine's recovery is restoring: ``Recovery.restoring``). The loop
 blocks on its inbox when the engine is idle (no polling) and steps while anything is unfinished. Each request
 first gets an acknowledgement (or the engine's ValueError, so a route can still answer 400 before it starts a
 stream), then its deltas. A stream left early (client gone) aborts its request; the engine frees its KV at the
