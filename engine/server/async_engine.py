@@ -42,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.server.health import Health, RestartBudget, read_restoring
 from engine.server.metrics import EngineStats, ServerMetrics, read_engine_stats
 
 logger = logging.getLogger("specserve.server")
@@ -57,26 +58,6 @@ class QueueFullError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """The engine loop is not running (stopped, restarting, or a step failed and it could not be restarted)."""
-
-
-@dataclass(frozen=True)
-class Health:
-    """What ``/health`` says: "ok" and "degraded" (serving; ``restoring`` names the worker roles being replaced)
-    answer 200, "restarting" and "down" (no engine to serve with; ``reason`` says why) answer 503."""
-
-    status: str  # "ok" | "degraded" | "restarting" | "down"
-    reason: str | None = None
-    restoring: tuple[str, ...] = ()
-
-    @property
-    def serving(self) -> bool:
-        return self.status in ("ok", "degraded")
-
-
-def read_restoring(engine: Any) -> tuple[str, ...]:
-    """Worker roles the engine is restoring now (engine/recovery.py), read from any thread; () without recovery."""
-    recovery = getattr(engine, "recovery", None)
-    return tuple(getattr(recovery, "restoring", ())) if recovery is not None else ()
 
 
 @dataclass
@@ -147,16 +128,11 @@ class AsyncEngine:
                  restoring_reader: Callable[[Any], tuple[str, ...]] = read_restoring) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        if max_engine_restarts < 0:
-            raise ValueError(f"max_engine_restarts must be >= 0, got {max_engine_restarts}")
         self._engine = engine  # swapped by the loop thread when it restarts the engine
         self._factory = engine_factory
-        self.max_engine_restarts = max_engine_restarts
-        self.engine_restart_window_s = engine_restart_window_s
-        self.restart_backoff_s = restart_backoff_s
+        self._budget = RestartBudget(max_engine_restarts, engine_restart_window_s, restart_backoff_s)
         self._on_new_engine = on_new_engine
         self._read_restoring = restoring_reader
-        self._restarts: list[float] = []  # time.monotonic() of each engine restart (loop thread)
         self.engine_restarts = 0  # engines built after a failure (for tests and logs)
         self._restarting: str | None = None  # why the engine is being rebuilt now (None: it is not)
         self._engine_down = False  # the current engine has been shut down
@@ -316,9 +292,7 @@ class AsyncEngine:
         if self._dead is not None:
             why = f"the engine stopped after a failed step ({type(self._dead).__name__}: {self._dead})"
             if self._factory is not None:
-                why += (f"; the server restarted it {len(self._restarts)} time(s) within "
-                        f"{self.engine_restart_window_s:g} s and gives up (max_engine_restarts="
-                        f"{self.max_engine_restarts})")
+                why += f"; {self._budget.describe()}"
             return why
         if self._restarting is not None:
             return f"the engine is restarting after a failed step ({self._restarting}); retry shortly"
@@ -399,19 +373,13 @@ class AsyncEngine:
         self._shutdown_engine()
         failures = [self._restarting]
         while True:
-            now = time.monotonic()
-            self._restarts = [t for t in self._restarts if now - t < self.engine_restart_window_s]
-            if len(self._restarts) >= self.max_engine_restarts:
-                logger.error("engine restart budget spent: %d restarts within %g s (max_engine_restarts=%d)",
-                             len(self._restarts), self.engine_restart_window_s, self.max_engine_restarts)
+            delay = self._budget.take()  # the first at once, then a doubling backoff: no tight restart loop
+            if delay is None:
+                logger.error("engine restart budget spent: %s", self._budget.describe())
                 # Set before ``_restarting`` clears: never a moment that looks ready.
                 self._dead = err if len(failures) == 1 else RuntimeError("; ".join(failures))
                 self._restarting = None
                 return False
-            # The first restart at once; then restart_backoff_s, doubling: a fault that keeps coming back is
-            # not retried in a tight loop.
-            delay = self.restart_backoff_s * 2 ** (len(self._restarts) - 1) if self._restarts else 0.0
-            self._restarts.append(now)
             if self._wake.wait(delay) or self._stopped:
                 self._dead = err
                 return False
