@@ -126,10 +126,12 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, output_token_ids: list[int] | None = None) -> Request:
         """Validate and queue; raises ValueError naming the field and the limit.
 
         ``priority``: lower is admitted first (and preempted last); batch jobs use 1, online requests 0.
+        ``output_token_ids``: resume a request an earlier engine began (the server restarting a failed engine):
+        these tokens count as produced and streamed; generation continues after them up to ``max_tokens``.
         """
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -161,6 +163,8 @@ class LLMEngine:
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
+        if output_token_ids:
+            _resume(req, checker, output_token_ids, self.vocab_size, self.max_model_len)
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
         self._requests[request_id] = req
@@ -412,3 +416,19 @@ class LLMEngine:
                              req.finished, req.stats.as_dict())
 
 
+
+
+def _resume(req: Request, checker: StopChecker, output: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Give a new request the output an earlier engine produced: it is re-prefilled with prompt + output (like
+    a preempted request) and its detokenizer replays the output, so the text it sends next is exactly what
+    follows the text already sent (nothing repeated, stop strings still found across the seam)."""
+    out = list(output)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in out):
+        raise ValueError(f"output_token_ids: outside the vocabulary [0, {vocab_size})")
+    if len(out) >= req.params.max_tokens or len(req.prompt_token_ids) + len(out) >= max_model_len:
+        raise ValueError(f"output_token_ids: {len(out)} tokens already reach the request's limit "
+                         f"(max_tokens={req.params.max_tokens}, context {max_model_len})")
+    checker.truncate(out, len(out))  # replays the detokenizer; these tokens did not stop the request before
+    checker.take_text(False)  # what the earlier engine already handed out
+    req.output_token_ids = out
+    req.stats.first_token_time = req.stats.arrival_time

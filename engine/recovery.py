@@ -91,34 +91,50 @@ class Recovery:
         self._restarting: dict[str, float] = {}  # role started in the background -> when it was noticed
         self._started: dict[str, float] = {}  # role started in the background -> when its replacement began
         self.draft_start_timeout_s = DRAFT_START_TIMEOUT_S
+        self._recovering: str | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
     @property
     def degraded(self) -> bool:
         """A role is being restarted (the draft: the engine decodes without speculation meanwhile)."""
         return bool(self._restarting)
 
+    @property
+    def restoring(self) -> tuple[str, ...]:
+        """Roles being restored now: one the step waits for, or a draft starting in the background. A read-only
+        snapshot for another thread (the server's ``/health``) while the engine's own thread is inside a step."""
+        roles = set(list(self._restarting))  # list(dict) copies under the GIL: no "changed size" error
+        recovering = self._recovering
+        if recovering is not None:
+            roles.add(recovering)
+        return tuple(sorted(roles))
+
     def recover(self, err: WorkerDiedError) -> None:
         """Rebuild what died; raises TooManyRestartsError past the budget, RuntimeError if it cannot be placed."""
         noticed = time.monotonic()
         self.stats.noticed_at.append(noticed)
         executor = self.engine.executor
-        dead = [err]
-        for role in executor.in_flight():
-            if role == err.role:
-                executor.discard_in_flight(role)
-                continue
-            try:
-                getattr(executor, f"wait_{role}")()  # an abandoned step's reply: dropped
-            except WorkerDiedError as e:
-                if e.role != err.role:  # the target's reply may name the dead draft again (its laws): once
-                    dead.append(e)
-        while dead:
-            e = dead.pop(0)
-            self._admit(e)
-            try:
-                self._restart(e.role, noticed)
-            except WorkerDiedError as again:  # the replacement died while starting
-                dead.append(again)
+        self._recovering = err.role
+        try:
+            dead = [err]
+            for role in executor.in_flight():
+                if role == err.role:
+                    executor.discard_in_flight(role)
+                    continue
+                try:
+                    getattr(executor, f"wait_{role}")()  # an abandoned step's reply: dropped
+                except WorkerDiedError as e:
+                    if e.role != err.role:  # the target's reply may name the dead draft again (its laws): once
+                        dead.append(e)
+            while dead:
+                e = dead.pop(0)
+                self._recovering = e.role
+                self._admit(e)
+                try:
+                    self._restart(e.role, noticed)
+                except WorkerDiedError as again:  # the replacement died while starting
+                    dead.append(again)
+        finally:
+            self._recovering = None
 
     def poll(self) -> None:
         """Between steps: bring a restarted draft back into service once it has loaded."""

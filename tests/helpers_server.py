@@ -236,3 +236,33 @@ def wait_until(pred, timeout_s: float = 30.0, interval_s: float = 0.05, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
+
+
+class HealthPoller:
+    """GET /health every few milliseconds in a thread: the (HTTP status, body status) pairs, in order."""
+
+    def __init__(self, url: str, interval_s: float = 0.01) -> None:
+        self.seen: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            import httpx
+
+            with httpx.Client(timeout=10) as c:
+                while not self._stop.is_set():
+                    try:
+                        r = c.get(url + "/health")
+                    except httpx.HTTPError:  # the server is stopping
+                        return
+                    s = (r.status_code, r.json().get("status"))
+                    if not self.seen or self.seen[-1] != s:
+                        self.seen.append(s)
+                    self._stop.wait(interval_s)
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[tuple[int, str]]:
+        self._stop.set()
+        self._thread.join(15)
+        return self.seen

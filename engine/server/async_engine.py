@@ -7,12 +7,25 @@ asyncio side (routes)                         engine loop thread (owns the LLMEn
   RequestStream ◀── per-request asyncio.Queue ◀── call_soon_threadsafe(one batch per step)
 ```
 
-Nothing but the loop thread touches the engine; the front end only enqueues commands and reads deltas. The loop
+Nothing but the loop thread touches the engine; the front end only enqueues commands and reads deltas (and,
+for ``/health``, a snapshot of the roles the engine's recovery is restoring: ``Recovery.restoring``). The loop
 blocks on its inbox when the engine is idle (no polling) and steps while anything is unfinished. Each request
 first gets an acknowledgement (or the engine's ValueError, so a route can still answer 400 before it starts a
 stream), then its deltas. A stream left early (client gone) aborts its request; the engine frees its KV at the
-next step. If a step fails, every open stream gets ``EngineUnavailableError`` and the engine stays down
-(``/health`` answers 503).
+next step.
+
+Faults, in the order the server meets them:
+
+- A worker restart inside the engine (engine/recovery.py: a dead target rank is rebuilt and its requests
+  re-prefilled; a dead draft is replaced while decoding goes on without speculation): the loop keeps stepping,
+  streams pause then continue, and ``health()`` says "degraded" with the role being restored.
+- The engine itself fails (a step raises: ``TooManyRestartsError``, ``EngineDeadError``, any other exception):
+  given an ``engine_factory``, the loop shuts the engine down and builds a new one (at most
+  ``max_engine_restarts`` within ``engine_restart_window_s``, with a backoff doubling from
+  ``restart_backoff_s``), then re-admits every open request from its tokens so far (prompt + what its stream
+  already got, the rest of max_tokens), so streams continue without repeating text. ``health()`` is "restarting"
+  (HTTP 503) meanwhile and new requests get 503. Past the budget, or without a factory, every open stream gets
+  ``EngineUnavailableError`` and the engine stays down (503, with the reason); the server itself stays up.
 
 The waiting queue is bounded: ``max_queue`` requests may wait for a running slot; beyond that ``add_request``
 raises ``QueueFullError`` (HTTP 429 with Retry-After) instead of letting memory climb.
@@ -29,6 +42,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.server.health import Health, RestartBudget, read_restoring
 from engine.server.metrics import EngineStats, ServerMetrics, read_engine_stats
 
 logger = logging.getLogger("specserve.server")
@@ -43,7 +57,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineUnavailableError(RuntimeError):
-    """The engine loop is not running (stopped, or a step failed)."""
+    """The engine loop is not running (stopped, restarting, or a step failed and it could not be restarted)."""
 
 
 @dataclass
@@ -53,6 +67,14 @@ class _Add:
     params: Any  # SamplingParams
     arrival: float  # time.monotonic() at the front end
     priority: int = 0  # lower is admitted first: batch jobs (engine/batch_runner.py) use 1
+
+
+@dataclass
+class _Live:
+    """An admitted, unfinished request as the loop thread knows it: enough to re-admit it to a new engine."""
+
+    add: _Add
+    output_token_ids: list[int]  # what its stream has been sent
 
 
 @dataclass
@@ -99,16 +121,28 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue: int = 256, retry_after_s: float = 1.0,
                  metrics: ServerMetrics | None = None,
-                 stats_reader: Callable[[Any], EngineStats] = read_engine_stats) -> None:
+                 stats_reader: Callable[[Any], EngineStats] = read_engine_stats,
+                 engine_factory: Callable[[], Any] | None = None, max_engine_restarts: int = 3,
+                 engine_restart_window_s: float = 600.0, restart_backoff_s: float = 1.0,
+                 on_new_engine: Callable[[Any], None] | None = None,
+                 restoring_reader: Callable[[Any], tuple[str, ...]] = read_restoring) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self._engine = engine
+        self._engine = engine  # swapped by the loop thread when it restarts the engine
+        self._factory = engine_factory
+        self._budget = RestartBudget(max_engine_restarts, engine_restart_window_s, restart_backoff_s)
+        self._on_new_engine = on_new_engine
+        self._read_restoring = restoring_reader
+        self.engine_restarts = 0  # engines built after a failure (for tests and logs)
+        self._restarting: str | None = None  # why the engine is being rebuilt now (None: it is not)
+        self._engine_down = False  # the current engine has been shut down
         self.max_model_len: int = engine.max_model_len  # fixed at construction: safe to read from any thread
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self.metrics = metrics
         self._read_stats = stats_reader
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set on shutdown: a restart's backoff sleep ends early
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Front-end state (event-loop thread only).
@@ -136,6 +170,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         self._inbox.put(_STOP)
+        self._wake.set()  # a restart's backoff ends now
         await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server is shutting down"))
 
@@ -145,7 +180,24 @@ class AsyncEngine:
 
     @property
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._dead is None and not self._stopped
+        return (self._thread is not None and self._thread.is_alive() and self._dead is None and not self._stopped
+                and self._restarting is None)
+
+    def health(self) -> Health:
+        """For ``/health``, from any thread: the engine restarting or down (503), degraded, or ok."""
+        if not self.is_ready:
+            status = "restarting" if self._restarting is not None and not self._stopped else "down"
+            return Health(status, self._unavailable_reason())
+        try:
+            restoring = self._read_restoring(self._engine)
+        except Exception:  # a read racing the loop thread: report what is sure
+            logger.exception("reading the engine's recovery state failed")
+            restoring = ()
+        if restoring:
+            return Health("degraded", f"restoring the {' and '.join(restoring)} worker"
+                                      f"{'s' if len(restoring) > 1 else ''}; requests are served meanwhile",
+                          restoring)
+        return Health("ok")
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -235,10 +287,15 @@ class AsyncEngine:
             s.queue.put_nowait(error)
 
     def _unavailable_reason(self) -> str:
-        if self._dead is not None:
-            return f"the engine stopped after a failed step ({type(self._dead).__name__}: {self._dead})"
         if self._stopped:
             return "the server is shutting down"
+        if self._dead is not None:
+            why = f"the engine stopped after a failed step ({type(self._dead).__name__}: {self._dead})"
+            if self._factory is not None:
+                why += f"; {self._budget.describe()}"
+            return why
+        if self._restarting is not None:
+            return f"the engine is restarting after a failed step ({self._restarting}); retry shortly"
         return "the engine is not running"
 
     # ------------------------------------------------------------------------------- the engine loop thread
@@ -251,40 +308,130 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        engine = self._engine
         timings: dict[str, _Timing] = {}
+        live: dict[str, _Live] = {}
         try:
             while True:
-                # Block only when there is nothing to step; otherwise take whatever arrived since the last step.
-                cmds = [self._inbox.get()] if not engine.has_unfinished else []
-                while True:
-                    try:
-                        cmds.append(self._inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                if any(c is _STOP for c in cmds):
-                    return
-                out = [self._apply(engine, c, timings) for c in cmds]
-                if engine.has_unfinished:
-                    deltas = engine.step()
-                    now = time.monotonic()
-                    out += [(d.request_id, d) for d in deltas if self._observe(d, timings, now)]
-                self._stats = self._read_stats(engine)  # before the deltas reach the front end (queue bound)
-                if self.metrics is not None:
-                    self.metrics.observe_stats(self._stats)
-                self._post([o for o in out if o is not None])
-        except BaseException as e:  # a failed step: worker state can no longer be trusted
-            logger.exception("engine loop stopped")
-            self._dead = e
-            self._post([(None, EngineUnavailableError(self._unavailable_reason()))])
+                try:
+                    self._serve(timings, live)
+                    return  # stopped
+                except BaseException as e:  # a failed step: the engine's state can no longer be trusted
+                    logger.exception("engine step failed")
+                    if not self._restart(e, timings, live):
+                        self._dead = self._dead or e
+                        self._post([(None, EngineUnavailableError(self._unavailable_reason()))])
+                        return
         finally:
-            try:
-                engine.shutdown()
-            except Exception:
-                logger.exception("engine shutdown failed")
+            self._restarting = None
+            self._shutdown_engine()
 
-    def _apply(self, engine: Any, cmd: Any, timings: dict[str, _Timing]) -> tuple[str, Any] | None:
+    def _serve(self, timings: dict[str, _Timing], live: dict[str, _Live]) -> None:
+        """Step the current engine until told to stop (returns) or a step fails (raises)."""
+        engine = self._engine
+        while True:
+            # Block only when there is nothing to step; otherwise take whatever arrived since the last step.
+            cmds = [self._inbox.get()] if not engine.has_unfinished else []
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if any(c is _STOP for c in cmds):
+                return
+            out = [self._apply(engine, c, timings, live) for c in cmds]
+            if engine.has_unfinished:
+                try:
+                    deltas = engine.step()
+                except BaseException:
+                    # The acknowledgements go out all the same: those requests are open and will be re-admitted
+                    # (a lost one would leave its stream taking its first delta for the acknowledgement).
+                    self._post([o for o in out if o is not None])
+                    raise
+                now = time.monotonic()
+                out += [(d.request_id, d) for d in deltas if self._observe(d, timings, now, live)]
+            self._stats = self._read_stats(engine)  # before the deltas reach the front end (queue bound)
+            if self.metrics is not None:
+                self.metrics.observe_stats(self._stats)
+            self._post([o for o in out if o is not None])
+
+    def _shutdown_engine(self) -> None:
+        """Shut the current engine down once (Ray actors, sockets)."""
+        if self._engine_down:
+            return
+        self._engine_down = True
+        try:
+            self._engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+    def _restart(self, err: BaseException, timings: dict[str, _Timing], live: dict[str, _Live]) -> bool:
+        """Replace a failed engine and re-admit the open requests; False when that is not allowed or failed
+        ``max_engine_restarts`` times within the window (the caller then fails every stream)."""
+        if self._factory is None or self._stopped or isinstance(err, (KeyboardInterrupt, SystemExit)):
+            return False
+        self._restarting = f"{type(err).__name__}: {err}"
+        self._shutdown_engine()
+        failures = [self._restarting]
+        while True:
+            delay = self._budget.take()  # the first at once, then a doubling backoff: no tight restart loop
+            if delay is None:
+                logger.error("engine restart budget spent: %s", self._budget.describe())
+                # Set before ``_restarting`` clears: never a moment that looks ready.
+                self._dead = err if len(failures) == 1 else RuntimeError("; ".join(failures))
+                self._restarting = None
+                return False
+            if self._wake.wait(delay) or self._stopped:
+                self._dead = err
+                return False
+            try:
+                engine = self._factory()
+            except Exception as e:  # could not even build one (workers do not start): count it, back off
+                logger.exception("building a new engine failed")
+                failures.append(f"{type(e).__name__}: {e}")
+                self._restarting = "; ".join(failures)
+                continue
+            break
+        self._engine, self._engine_down = engine, False
+        self.engine_restarts += 1
+        if self.metrics is not None:
+            self.metrics.engine_replaced()
+        if self._on_new_engine is not None:
+            self._on_new_engine(engine)
+        self._readmit(engine, timings, live)
+        self._stats = self._read_stats(engine)
+        self._restarting = None
+        logger.warning("engine restarted after a failed step; %d open request(s) re-admitted", len(live))
+        return True
+
+    def _readmit(self, engine: Any, timings: dict[str, _Timing], live: dict[str, _Live]) -> None:
+        """Every open request into the new engine from its tokens so far; one that cannot be resumed ends with
+        a clear error (never a traceback)."""
+        failed: list[tuple[str, Any]] = []
+        for rid, r in list(live.items()):
+            a = r.add
+            try:
+                if isinstance(a.prompt, str):  # no token ids to resume from (the routes always send ids)
+                    if r.output_token_ids:
+                        raise ValueError("prompt: a text prompt cannot be resumed mid-stream")
+                    engine.add_request(rid, a.prompt, a.params, **({"priority": a.priority} if a.priority else {}))
+                else:
+                    extra = {"priority": a.priority} if a.priority else {}
+                    if r.output_token_ids:
+                        extra["output_token_ids"] = list(r.output_token_ids)
+                    engine.add_request(rid, list(a.prompt), a.params, **extra)
+            except Exception as e:
+                logger.warning("could not resume request %s after the engine restart: %s", rid, e)
+                live.pop(rid)
+                timings.pop(rid, None)
+                failed.append((rid, EngineUnavailableError(
+                    f"the engine restarted after a failed step and this request could not be resumed ({e}); "
+                    "send it again")))
+        self._post(failed)
+
+    def _apply(self, engine: Any, cmd: Any, timings: dict[str, _Timing],
+               live: dict[str, _Live]) -> tuple[str, Any] | None:
         if isinstance(cmd, _Abort):
+            live.pop(cmd.request_id, None)
             timing = timings.pop(cmd.request_id, None)
             if engine.abort_request(cmd.request_id) and timing is not None and self.metrics is not None:
                 self.metrics.observe_finished("abort", time.monotonic() - timing.arrival, None, 0)
@@ -298,13 +445,21 @@ class AsyncEngine:
                 logger.exception("add_request failed for %s", cmd.request_id)
             return cmd.request_id, e
         timings[cmd.request_id] = _Timing(cmd.arrival)
+        live[cmd.request_id] = _Live(cmd, [])
         return cmd.request_id, _ACCEPTED
 
-    def _observe(self, d: Any, timings: dict[str, _Timing], now: float) -> bool:
-        """Latency metrics of one delta; False for a request that was aborted (nobody reads it)."""
+    def _observe(self, d: Any, timings: dict[str, _Timing], now: float, live: dict[str, _Live]) -> bool:
+        """Latency metrics of one delta, and its tokens noted for a restart; False for a request that was aborted
+        (nobody reads it)."""
         t = timings.get(d.request_id)
         if t is None:
             return False
+        r = live.get(d.request_id)
+        if r is not None:
+            if d.finished:
+                del live[d.request_id]
+            else:
+                r.output_token_ids += d.new_token_ids
         m = self.metrics
         if d.new_token_ids and t.first is None:
             t.first = now

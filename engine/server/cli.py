@@ -40,6 +40,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch-max-in-flight", type=int, default=None, metavar="N",
                    help="batch-job requests in the engine at once (default: 2 x --max-num-seqs); fewer keeps online "
                         "latency lower while a job runs, at the job's expense")
+    p.add_argument("--max-engine-restarts", type=int, default=3, metavar="N",
+                   help="times per 10 minutes the server rebuilds an engine that failed beyond recovery (worker "
+                        "restarts exhausted, an unexpected error), re-admitting open requests; then /health "
+                        "answers 503 with the reason (default: 3)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
@@ -80,6 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_engine_restarts < 0:
+        raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}")
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
     from engine.jobs import JobStore, default_data_dir
@@ -91,12 +97,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     try:
         metrics = ServerMetrics(name)
+        collector = None
         if engine.recovery is not None:  # Ray workers: restarts and recovery time next to the serving metrics
             from engine.recovery import RecoveryCollector
 
-            metrics.registry.register(RecoveryCollector(engine.recovery.stats))
+            collector = RecoveryCollector(engine.recovery.stats)
+            metrics.registry.register(collector)
+
+        def on_new_engine(new: LLMEngine) -> None:  # a rebuilt engine's worker restarts count from zero
+            if collector is not None and new.recovery is not None:
+                collector.stats = new.recovery.stats
+
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
-                                   metrics=metrics)
+                                   metrics=metrics, engine_factory=lambda: LLMEngine(config),
+                                   max_engine_restarts=args.max_engine_restarts, on_new_engine=on_new_engine)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
         # Twice the running set in flight by default: the engine stays full of batch work, its waiting queue short.
         batches = batch_router(job_store, max_in_flight=args.batch_max_in_flight or 2 * config.scheduler.max_num_seqs)

@@ -92,6 +92,13 @@ class ServerMetrics:
                                m + ["finished_reason"])
         self.errors = counter("request_errors", "Requests refused or failed, by kind (invalid_request, "
                               "overloaded, unauthorized, engine_dead, internal).", m + ["error"])
+        self.engine_restarts = counter("engine_restarts", "Engines the server rebuilt after a step failed beyond "
+                                       "the engine's own recovery (open requests re-admitted).")
+        self._last = EngineStats()
+
+    def engine_replaced(self) -> None:
+        """A new engine's cumulative counters start from zero: count on from there."""
+        self.engine_restarts.labels(self.model_name).inc()
         self._last = EngineStats()
 
     # ------------------------------------------------------------------------------------ from the engine loop

@@ -44,12 +44,16 @@ async def list_models(serving: ServingDep) -> ModelList:
 
 @router.get("/health")
 async def health(serving: ServingDep) -> Response:
-    engine = serving.engine
-    if engine.is_ready:
+    """200 ``{"status": "ok"}``; 200 ``{"status": "degraded", "restoring": [roles], ...}`` while the engine
+    replaces a dead worker (requests are still admitted; streams pause, then continue); 503 in OpenAI's error
+    shape, the reason in its message and ``status`` "restarting" or "down", while there is no engine to serve."""
+    h = serving.engine.health()
+    if h.status == "ok":
         return JSONResponse({"status": "ok"})
-    err = engine.dead_error
-    reason = "engine not running" if err is None else f"engine stopped: {type(err).__name__}: {err}"
-    return APIError(503, reason).response()
+    if h.serving:
+        return JSONResponse({"status": h.status, "restoring": list(h.restoring), "message": h.reason})
+    body = APIError(503, h.reason or "engine not running").body()
+    return JSONResponse({**body, "status": h.status}, status_code=503)
 
 
 @router.get("/metrics")
