@@ -14,7 +14,21 @@ from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels
 
 GREEDY = SamplingParams(max_tokens=3 * TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=3 * TP_MAX_TOKENS, temperature=0.9, top_p=0.95, seed=3000 + i, ignore_eos=True)
+          for i in range(len(TP_PROMPTS))]
 SPEC = {"num_speculative_tokens": 3}
+
+
+def speculative(models: TPModels) -> dict:
+    return {"method": "draft_model", "model": models.draft, **SPEC}
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(tp_models: TPModels) -> list[list[int]]:
+    """The seeded sampled requests' outputs in-process: no Ray, no fault (draws are keyed by seed and position,
+    so the Ray engine gives the same tokens as long as the draft proposes the same ones)."""
+    with LLM(tp_models.target, speculative(tp_models), distributed_executor_backend="uni") as llm:
+        return [o.token_ids for o in llm.generate(TP_PROMPTS, SEEDED)]
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +53,9 @@ def cluster():
     c.shutdown()
 
 
-def test_node_loss(cluster, tp_models: TPModels) -> None:
+def test_node_loss(cluster, tp_models: TPModels, seeded_reference: list[list[int]]) -> None:
     c, nodes = cluster
-    with LLM(tp_models.target, {"method": "draft_model", "model": tp_models.draft, **SPEC}, tensor_parallel_size=2,
+    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2,
              placement_timeout_s=10) as llm:
         engine = llm.engine
 
@@ -51,6 +65,7 @@ def test_node_loss(cluster, tp_models: TPModels) -> None:
         assert node_of("draft") == {nodes["B"].node_id} and node_of("target") == {nodes["T"].node_id}
         for i, p in enumerate(TP_PROMPTS):
             engine.add_request(str(i), p, GREEDY)
+            engine.add_request(f"seeded-{i}", p, SEEDED[i])  # held while the draft is down, then identical
         outs: dict[str, list[int]] = {}
         engine.step_finished()
         nodes["C"] = c.add_node(num_cpus=1, num_gpus=1)
@@ -74,6 +89,7 @@ def test_node_loss(cluster, tp_models: TPModels) -> None:
             assert [outs[f"more-{k}-{i}"][:TP_MAX_TOKENS] for i in range(len(TP_PROMPTS))] == tp_models.expected
         assert node_of("draft") == {nodes["C"].node_id}
         assert [outs[str(i)][:TP_MAX_TOKENS] for i in range(len(TP_PROMPTS))] == tp_models.expected
+        assert [outs[f"seeded-{i}"] for i in range(len(TP_PROMPTS))] == seeded_reference
 
         # The target's node goes: no node has 2 GPUs any more.
         for i, p in enumerate(TP_PROMPTS):
