@@ -79,6 +79,13 @@ def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
                 os.kill(old_pid, signal.SIGKILL)
 
         ex.submit_draft = submit_then_die
+        step, trees = ex.target.step, []
+
+        def verify(msg):  # the tree ids the verifier takes laws for, by the draft generation that is up
+            trees.extend((ex.describe()["draft_generation"], s.tree_id) for s in msg.seqs if s.tree_id >= 0)
+            return step(msg)
+
+        ex.target.step = verify
         deadline = time.monotonic() + 60
         while not engine.recovery.stats.failures:
             assert time.monotonic() < deadline, "the dead draft process was not noticed"
@@ -99,6 +106,9 @@ def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
         assert [outs[str(i)] for i in range(len(params))] == reference  # greedy and seeded
         assert engine.recovery.stats.restarts == {"draft": 1} and engine.draft_up
         assert "the draft process exited" in engine.recovery.stats.failures[0]
+        # The dead child's trees failed, only those: the new one numbers its trees from 1 << 40, taken as usual.
+        assert ex.target.law_store._lost_below == 1 << 40
+        assert {g for g, _ in trees} == {1, 2} and all((t >= 1 << 40) == (g == 2) for g, t in trees)
         new_pid = ex.describe()["draft_pid"]
         assert new_pid != old_pid and ex._proc.poll() is None
         accepted = engine.stats.num_accepted
