@@ -20,6 +20,7 @@ never appears on a command line. A child whose parent dies exits within a second
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,8 +78,6 @@ class DraftProcessExecutor:
         self._draft, self._dcores = draft, sorted(dcores) if dcores is not None else None
         self._proc: subprocess.Popen | None = None
         self._gen = 0  # how many draft processes were started
-        self._line: list[str] = []  # the starting child's one stdout line (its endpoint), once read
-        self._reader: threading.Thread | None = None
         self._push = self._reply = None
         self._host: WorkerProcess | None = None
         self._in_flight = False
@@ -100,10 +99,6 @@ class DraftProcessExecutor:
             self.shutdown()
             raise
 
-    @property
-    def endpoints(self) -> dict[str, list[str]]:
-        return {"draft": self._draft_endpoint, "controller": [self._reply_addr], "laws": [self._laws]}
-
     def _spawn(self) -> None:
         """Start the next generation's draft process; ``finish_restart`` connects to it once it is up."""
         self._gen += 1
@@ -112,15 +107,18 @@ class DraftProcessExecutor:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen([sys.executable, "-m", "engine.draft_process"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env)
-        self._proc, self._started, self._draft_endpoint = proc, time.monotonic(), []
-        proc.stdin.write(json.dumps({
-            "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(), "controller": self._reply_addr,
-            "laws": self._laws, "cores": self._dcores, "tag": self._tag().decode(),
-            "first_tree_id": (self._gen - 1) << 40}) + "\n")
-        proc.stdin.close()
-        self._line = box = []
-        self._reader = threading.Thread(target=_read_line, args=(proc, box), name="draft-process-start", daemon=True)
+        self._line: list[str] = []  # its one stdout line (where it serves steps), once read
+        self._reader = threading.Thread(target=_read_line, args=(proc, self._line), name="draft-process-start",
+                                        daemon=True)
         self._reader.start()
+        self._proc, self._started = proc, time.monotonic()
+        self.endpoints = {"draft": [], "controller": [self._reply_addr], "laws": [self._laws]}  # diagnostics
+        with contextlib.suppress(BrokenPipeError):  # it died at once: finish_restart says so
+            proc.stdin.write(json.dumps({
+                "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(),
+                "controller": self._reply_addr, "laws": self._laws, "cores": self._dcores,
+                "tag": self._tag().decode(), "first_tree_id": (self._gen - 1) << 40}) + "\n")
+            proc.stdin.close()
         # A draft that dies between its reply and its laws must not leave verification waiting 600 s.
         threading.Thread(target=self._watch, args=(proc, self._gen, self.target.law_store),
                          name="draft-process-watch", daemon=True).start()
@@ -228,9 +226,7 @@ class DraftProcessExecutor:
         Raises WorkerDiedError if it exits while starting, WorkerStuckError if it is not up in START_TIMEOUT_S."""
         import zmq
 
-        if role != "draft":
-            raise RuntimeError(f"the {role} runs in the engine's own process: it is never restarting")
-        if self._push is not None:
+        if self._push is not None or role != "draft":  # the target is never restarting (``begin_restart``)
             return True
         while self._reader.is_alive():  # ends with the line, or at EOF when the child exits
             if self._proc.poll() is not None:
@@ -241,16 +237,14 @@ class DraftProcessExecutor:
                 raise WorkerStuckError("draft", START_TIMEOUT_S)
             self._reader.join(POLL_S)
         line = self._line[0] if self._line else ""
-        if not line.strip():
-            try:
-                self._proc.wait(timeout=5)  # its stdout is closed: it is exiting
-            except subprocess.TimeoutExpired:
-                pass
+        if not line.strip():  # EOF before the line: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
             raise self._died(" while starting")
         endpoint = json.loads(line)["endpoint"]
         self._push = zmq.Context.instance().socket(zmq.PUSH)
         self._push.connect(endpoint)
-        self._draft_endpoint = [endpoint]
+        self.endpoints["draft"] = [endpoint]
         return True
 
     # --------------------------------------------------------------------------------------------- shutdown

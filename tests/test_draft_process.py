@@ -10,6 +10,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.faults import WorkerDiedError
 from tests.conftest import spec
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45))]
@@ -116,6 +117,12 @@ def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
         assert engine.stats.num_accepted > accepted  # the new child's trees are verified and accepted
         with pytest.raises(RuntimeError, match="target runs in the engine's own process"):
             ex.begin_restart("target")  # it dies with us: nothing to restart apart from the engine
+        ex.begin_restart("draft")  # a replacement that dies while starting: noticed, not waited for
+        os.kill(ex.describe()["draft_pid"], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="exited while starting"):
+            ex.finish_restart("draft", block=True)
+        assert time.monotonic() - start < 5
 
 
 def test_bad_cores_are_refused_naming_the_field(llama):
