@@ -72,7 +72,8 @@ class EngineArgs:
     placement_timeout_s: float = _arg(ParallelConfig.placement_timeout_s, "seconds to wait for Ray to place the "
                                       "workers before failing with what is missing", type=float,
                                       flags=("--placement-timeout", "--placement-timeout-s"))
-    max_worker_restarts: int = _arg(ParallelConfig.max_worker_restarts, "Ray workers that die are replaced and "
+    max_worker_restarts: int = _arg(ParallelConfig.max_worker_restarts, "Ray workers (or a draft process) that die are "
+                                    "replaced and "
                                     "their requests re-prefilled, up to this many times per "
                                     f"{ParallelConfig.worker_restart_window_s:g} s; then the engine stops naming "
                                     "every failure (0: never restart)", type=int)

@@ -238,7 +238,8 @@ class ParallelConfig:
     address: str | None = None  # an existing Ray cluster; None starts a local one when Ray is used
     transport: str = "zmq"  # per-round messages: msgpack over zmq, or plain Ray actor calls
     placement_timeout_s: float = 60.0
-    # Ray workers that die are replaced up to this many times per window (engine/recovery.py); 0: never.
+    # Ray workers (or a draft process) that die are replaced up to this many times per window
+    # (engine/recovery.py); 0: never.
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
 

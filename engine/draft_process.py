@@ -9,7 +9,9 @@ The child is a plain ``python -m engine.draft_process`` hosting the same ``Worke
 in an actor (engine/worker_actor.py), without Ray: the hot path is the same signed msgpack frames over zmq on
 loopback (controller -> draft steps, draft -> controller replies, draft -> verifier laws). Every wait on the child
 watches its liveness: a reply wait polls ``Popen.poll()`` every ``POLL_S``, and a watcher thread fails the
-verifier's law store the moment the child exits, so a verification waiting for laws never waits out its timeout.
+verifier's waits for that child's laws the moment it exits, so a verification never waits out its timeout.
+A dead child is replaced like a Ray draft worker (engine/recovery.py): the engine decodes without speculation
+until the new one is up.
 
 Start-up: the controller writes one JSON line to the child's stdin (the worker config, the frame secret, the
 addresses, the cores), the child answers one JSON line on stdout with the address it serves steps on. The secret
@@ -18,6 +20,7 @@ never appears on a command line. A child whose parent dies exits within a second
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,12 +37,12 @@ from engine.faults import WorkerDiedError, WorkerStuckError
 from engine.frames import FrameAuth, new_secret
 from engine.liveness import POLL_S
 from engine.worker_actor import OP_STEP, OP_STOP, WorkerProcess
+from workers.law_channel import LawStore
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
 STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 START_TIMEOUT_S = 300.0  # loading the draft under load
-_TAG = b"draft/1"
 
 
 def check_cores(cores: list[int] | None, what: str) -> set[int] | None:
@@ -55,7 +58,14 @@ def check_cores(cores: list[int] | None, what: str) -> set[int] | None:
 
 
 class DraftProcessExecutor:
-    """Target in this process (pinned to ``target_cores``), draft in a child process (pinned to ``draft_cores``)."""
+    """Target in this process (pinned to ``target_cores``), draft in a child process (pinned to ``draft_cores``).
+
+    Recovery (engine/recovery.py), for the draft only: a dead child is replaced by a new one (``begin_restart``,
+    which does not wait for it to load; ``finish_restart``) while the engine decodes without speculation. Child
+    ``g`` (its generation, from 1) numbers its trees from ``(g - 1) << 40`` and tags its replies ``draft/g``, so
+    its death fails only the verifier's waits for its own trees and a reply it left behind answers nothing later.
+    The target dies with this process: there is nothing to restart apart from the engine.
+    """
 
     def __init__(self, target: WorkerConfig, draft: WorkerConfig, draft_cores: list[int] | None = None,
                  target_cores: list[int] | None = None) -> None:
@@ -64,65 +74,66 @@ class DraftProcessExecutor:
         from workers.target_worker import TargetWorker
 
         dcores = check_cores(draft_cores, "draft_cores")
-        tcores = check_cores(target_cores, "target_cores")
+        self._tcores = check_cores(target_cores, "target_cores")
+        self._draft, self._dcores = draft, sorted(dcores) if dcores is not None else None
         self._proc: subprocess.Popen | None = None
+        self._gen = 0  # how many draft processes were started
         self._push = self._reply = None
         self._host: WorkerProcess | None = None
         self._in_flight = False
         self._target_msg: TargetStep | None = None
-        self._tcores = tcores
         try:
             self.target = TargetWorker(target)
-            secret = new_secret()
-            self._auth = FrameAuth(secret, "controller")
+            self._secret = new_secret()
+            self._auth = FrameAuth(self._secret, "controller")
             # The verifier's law receiver: the host a Ray actor would be, minus Ray (loopback, signed frames).
-            self._host = WorkerProcess("target", target, 0, 1, secret)
+            # It outlives the draft processes: each new one pushes its laws to the same address.
+            self._host = WorkerProcess("target", target, 0, 1, self._secret)
             self._host.worker = self.target
-            laws = self._host.serve_laws(True)
-            ctx = zmq.Context.instance()
-            self._reply = ctx.socket(zmq.PULL)
-            reply = f"tcp://127.0.0.1:{self._reply.bind_to_random_port('tcp://127.0.0.1')}"
-            # The child imports this very copy of the package (not whichever one its path would find first).
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-            self._proc = subprocess.Popen([sys.executable, "-m", "engine.draft_process"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True, env=env)
-            self._proc.stdin.write(json.dumps({
-                "config": dataclasses.asdict(draft), "secret": secret.hex(), "controller": reply, "laws": laws,
-                "cores": sorted(dcores) if dcores is not None else None}) + "\n")
-            self._proc.stdin.close()
-            endpoint = self._read_endpoint()
-            self._push = ctx.socket(zmq.PUSH)
-            self._push.connect(endpoint)
-            self.endpoints = {"draft": [endpoint], "controller": [reply], "laws": [laws]}
-            # A draft that dies between its reply and its laws must not leave verification waiting 600 s.
-            threading.Thread(target=self._watch, name="draft-process-watch", daemon=True).start()
+            self._laws = self._host.serve_laws(True)
+            self._reply = zmq.Context.instance().socket(zmq.PULL)
+            self._reply_addr = f"tcp://127.0.0.1:{self._reply.bind_to_random_port('tcp://127.0.0.1')}"
+            self._spawn()
+            self.finish_restart("draft", block=True)
         except BaseException:
             self.shutdown()
             raise
 
-    def _read_endpoint(self) -> str:
-        """The child's one stdout line, read while watching that it lives."""
-        box: list[str] = []
-        t = threading.Thread(target=lambda: box.append(self._proc.stdout.readline()), daemon=True)
-        t.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while t.is_alive():
-            t.join(POLL_S)
-            if self._proc.poll() is not None and t.is_alive():
-                break
-            if time.monotonic() > deadline:
-                raise WorkerStuckError("draft", START_TIMEOUT_S)
-        line = box[0] if box else ""
-        if not line.strip():
-            raise WorkerDiedError("draft", 0, f"the draft process exited while starting (code {self._proc.wait()})")
-        return json.loads(line)["endpoint"]
+    def _spawn(self) -> None:
+        """Start the next generation's draft process; ``finish_restart`` connects to it once it is up."""
+        self._gen += 1
+        # The child imports this very copy of the package (not whichever one its path would find first).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.Popen([sys.executable, "-m", "engine.draft_process"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)
+        self._line: list[str] = []  # its one stdout line (where it serves steps), once read
+        self._reader = threading.Thread(target=_read_line, args=(proc, self._line), name="draft-process-start",
+                                        daemon=True)
+        self._reader.start()
+        self._proc, self._started = proc, time.monotonic()
+        self.endpoints = {"draft": [], "controller": [self._reply_addr], "laws": [self._laws]}  # diagnostics
+        with contextlib.suppress(BrokenPipeError):  # it died at once: finish_restart says so
+            proc.stdin.write(json.dumps({
+                "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(),
+                "controller": self._reply_addr, "laws": self._laws, "cores": self._dcores,
+                "tag": self._tag().decode(), "first_tree_id": (self._gen - 1) << 40}) + "\n")
+            proc.stdin.close()
+        # A draft that dies between its reply and its laws must not leave verification waiting 600 s.
+        threading.Thread(target=self._watch, args=(proc, self._gen, self.target.law_store),
+                         name="draft-process-watch", daemon=True).start()
 
-    def _watch(self) -> None:
-        proc = self._proc
+    def _tag(self) -> bytes:
+        return f"draft/{self._gen}".encode()
+
+    def _watch(self, proc: subprocess.Popen, gen: int, store: LawStore) -> None:
         code = proc.wait()
         if self._host is not None and not self._host._stop.is_set():
-            self.target.law_store.fail(f"the draft process exited (code {code})")
+            # Only the trees this generation numbered (below gen << 40): the next one's laws are still taken.
+            store.fail(f"the draft process exited (code {code})", gen << 40)
+
+    def _died(self, what: str, waited_s: float | None = None) -> WorkerDiedError:
+        return WorkerDiedError("draft", 0, f"the draft process exited{what} (code {self._proc.poll()})", waited_s)
 
     # --------------------------------------------------------------------------------------------- hot path
     def submit_draft(self, msg: DraftStep) -> None:
@@ -141,15 +152,15 @@ class DraftProcessExecutor:
         while True:
             if self._reply.poll(timeout=int(POLL_S * 1000), flags=zmq.POLLIN):
                 parts = self._auth.open(self._reply.recv_multipart(), 3)
-                if parts is not None and parts[0] == _TAG:  # else: not signed by us (logged, dropped)
+                # Else not signed by us (logged, dropped), or a reply a replaced process sent before it died.
+                if parts is not None and parts[0] == self._tag():
                     reply: WorkerReply = codec.decode(parts[2])
                     if reply.error is not None:
                         raise RuntimeError(f"worker failed:\n{reply.error}")
                     return reply.result
             waited = time.monotonic() - start
-            code = self._proc.poll()
-            if code is not None:
-                raise WorkerDiedError("draft", 0, f"the draft process exited (code {code})", waited)
+            if self._proc.poll() is not None:
+                raise self._died("", waited)
             if waited > STEP_TIMEOUT_S:
                 raise WorkerStuckError("draft", STEP_TIMEOUT_S)
 
@@ -161,6 +172,15 @@ class DraftProcessExecutor:
     def wait_target(self) -> TargetStepOutput:
         assert self._target_msg is not None, "no target call in flight"
         msg, self._target_msg = self._target_msg, None
+        out = self._target_step(msg)
+        if out.laws_error is not None:  # the step verified nothing: abandoned, like any step a worker died in
+            if self._proc.poll() is not None:  # the watcher reaped it before failing the laws: poll() sees it
+                raise self._died(" before its laws reached the verifier")
+            raise RuntimeError(f"the target could not verify, although the draft process is alive: "
+                               f"{out.laws_error}")
+        return out
+
+    def _target_step(self, msg: TargetStep) -> TargetStepOutput:
         if self._tcores is None:
             return self.target.step(msg)
         # Pinned for the forward only, then the caller's placement again: this process may host other engines
@@ -178,30 +198,94 @@ class DraftProcessExecutor:
                 torch.set_num_threads(saved[1])
 
     def describe(self) -> dict[str, Any]:
-        return {"draft_pid": self._proc.pid if self._proc else None,
+        return {"draft_pid": self._proc.pid if self._proc else None, "draft_generation": self._gen,
                 "target_cores": sorted(self._tcores) if self._tcores is not None else None}
+
+    # --------------------------------------------------------------------------------------------- recovery
+    def in_flight(self) -> list[str]:
+        return (["draft"] if self._in_flight else []) + (["target"] if self._target_msg is not None else [])
+
+    def discard_in_flight(self, role: str) -> None:
+        """Forget a call that will never be answered (its worker died): nothing is waited for."""
+        if role == "draft":
+            self._in_flight = False
+        else:
+            self._target_msg = None
+
+    def begin_restart(self, role: str) -> None:
+        """Replace the draft process: kill the old one if it is still there, start a new one, do not wait."""
+        if role != "draft":
+            raise RuntimeError(f"the {role} runs in the engine's own process (draft_process): it cannot be "
+                               "restarted apart from the engine")
+        self.discard_in_flight("draft")
+        self._stop_child(graceful=False)
+        self._spawn()
+
+    def finish_restart(self, role: str, block: bool) -> bool:
+        """True once the new draft process has said where it serves and is connected (``block``: wait for it).
+        Raises WorkerDiedError if it exits while starting, WorkerStuckError if it is not up in START_TIMEOUT_S."""
+        import zmq
+
+        if self._push is not None or role != "draft":  # the target is never restarting (``begin_restart``)
+            return True
+        while self._reader.is_alive():  # ends with the line, or at EOF when the child exits
+            if self._proc.poll() is not None:
+                raise self._died(" while starting")
+            if not block:
+                return False
+            if time.monotonic() - self._started > START_TIMEOUT_S:
+                raise WorkerStuckError("draft", START_TIMEOUT_S)
+            self._reader.join(POLL_S)
+        line = self._line[0] if self._line else ""
+        if not line.strip():  # EOF before the line: it is exiting
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+            raise self._died(" while starting")
+        endpoint = json.loads(line)["endpoint"]
+        self._push = zmq.Context.instance().socket(zmq.PUSH)
+        self._push.connect(endpoint)
+        self.endpoints["draft"] = [endpoint]
+        return True
+
+    # --------------------------------------------------------------------------------------------- shutdown
+    def _stop_child(self, graceful: bool) -> None:
+        """Stop the draft process: OP_STOP and a few seconds to exit if ``graceful`` and it is up, else killed."""
+        if self._push is not None:
+            if graceful:
+                try:
+                    self._push.send_multipart(self._auth.seal([OP_STOP, b""]), flags=1)  # zmq.NOBLOCK
+                except Exception:
+                    pass
+            self._push.close(linger=0)
+            self._push = None
+        else:
+            graceful = False  # still starting (or never connected): nobody would read OP_STOP
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=5 if graceful else 0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._reader.join(1.0)  # at EOF now that the child is gone: close the pipe after its last read
+            self._proc.stdout.close()
 
     def shutdown(self) -> None:
         if self._host is not None:
             self._host._stop.set()  # the law receiver's loop ends within a second
-        if self._push is not None:
-            try:
-                self._push.send_multipart(self._auth.seal([OP_STOP, b""]), flags=1)  # zmq.NOBLOCK
-            except Exception:
-                pass
-            self._push.close(linger=0)
-            self._push = None
-        if self._proc is not None:
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
+        self._stop_child(graceful=True)
+        self._proc = None
         if self._reply is not None:
             self._reply.close(linger=0)
             self._reply = None
         self.target = None  # type: ignore[assignment]
+
+
+def _read_line(proc: subprocess.Popen, box: list[str]) -> None:
+    """The child's one stdout line (or "" at EOF: it exited); read on a thread so the caller can watch it live."""
+    try:
+        box.append(proc.stdout.readline())
+    except (OSError, ValueError):  # the pipe was closed under us: the child was stopped while starting
+        box.append("")
 
 
 # ------------------------------------------------------------------------------------------------- the child
@@ -217,8 +301,8 @@ def _main() -> None:
     config = WorkerConfig(**start["config"])
     host = WorkerProcess("draft", config, 0, 1, bytes.fromhex(start["secret"]))
     host.setup("127.0.0.1", 0, use_gpu=config.device.startswith("cuda"))  # the same GPU as the target (cuda:0)
-    host.connect_laws(start["laws"], 0)
-    endpoint = host.serve(start["controller"], True, _TAG)
+    host.connect_laws(start["laws"], start["first_tree_id"])  # its generation's tree ids: see the executor
+    endpoint = host.serve(start["controller"], True, start["tag"].encode())
     print(json.dumps({"endpoint": endpoint}), flush=True)
     os.dup2(2, 1)  # nobody reads the pipe after this line: anything printed later must not fill it and block
     while host._thread.is_alive():  # ends on OP_STOP

@@ -110,7 +110,7 @@ class LLMEngine:
         self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
         self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
-        # Ray workers can be replaced when they die; in-process ones die with us.
+        # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
 
