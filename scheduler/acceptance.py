@@ -68,7 +68,13 @@ class AcceptanceTracker:
         """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: a
         level accepts if any of w independent chain candidates would, 1 - (1 - alpha)^w)."""
         chain = self._counts(self._engine, (greedy, False), self.engine_decay)
-        rates = [chain.rate(j, DEFAULT_RATE, self.prior_weight) for j in range(depth)]
+        # A position's prior is the rate of the one above it (DEFAULT_RATE at the first): a depth the policy has
+        # not tried yet looks like the deepest one it has measured. A fixed prior below the measured rates
+        # would keep a policy that stopped at depth d from ever trying d + 1 (its rounds never reach it), and
+        # one above them would keep it too deep.
+        rates: list[float] = []
+        for j in range(depth):
+            rates.append(chain.rate(j, rates[-1] if rates else DEFAULT_RATE, self.prior_weight))
         if widths is None:
             return rates
         tree = self._counts(self._engine, (greedy, True), self.engine_decay)
