@@ -214,3 +214,54 @@ def test_sampled_steps_are_priced_with_their_own_curves() -> None:
         teach(p, r, 0.85, seed=r.seq_id)
     assert p.plan(greedy) == [(1,) * K_MAX] * 4
     assert p.plan(sampled) == [()] * 4
+
+
+# --------------------------------------------------------------------------- depths the policy has not tried yet
+def test_an_untried_depth_looks_like_the_deepest_measured_one() -> None:
+    """A policy that ran depth 4 with every candidate accepted must not see depth 5 at a fixed 0.7 prior (it would
+    stop at 4 for good: its rounds never reach depth 5 to measure it)."""
+    t = AcceptanceTracker()
+    for _ in range(50):
+        t.observe(0, True, False, 4, 4)
+    rates = t.engine_rates(True, K_MAX)
+    assert min(rates[4:]) > 0.95, rates
+    # Draft forwards cost a fifth of a verify: worth going past 4 at 0.98, not at 0.7 (0.7 ** 5 * 10 < 2.5).
+    p = policy(costs(verify=lambda n: 10 * MS, draft=lambda n: 2.5 * MS))
+    p.acceptance = t
+    reqs = requests(1)
+    for _ in range(30):
+        p.observe_round(reqs[0], (1,) * 4, 4)
+    assert len(p.plan(reqs)[0]) > 4
+
+
+# ------------------------------------------------------------------------- the draft call's fixed part, apart
+def test_the_draft_calls_fixed_part_is_not_charged_per_forward() -> None:
+    """Calls of 2 and 8 forwards, each forward 1 ms and the call 10 ms on top: a 2-deep round's draft must cost
+    12 ms and an 8-deep one 18 ms (charging call / forwards per forward would price 8 forwards from the 2-deep
+    calls at 6 ms each)."""
+    c = CostModel()
+    for depth in (2, 8) * 20:
+        c.observe(StepSample(1 + depth, 10 * MS, [1] * depth, (10 + depth) * MS, False, 1, 0.0,
+                             draft_worker_s=depth * MS))
+    assert c.draft_seconds([1] * 2) == pytest.approx(12 * MS, rel=0.05)
+    assert c.draft_seconds([1] * 8) == pytest.approx(18 * MS, rel=0.05)
+    assert c.draft_seconds([]) == 0.0
+
+
+# ---------------------------------------------------------------------------- seeded sampled requests: pinned
+def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -> None:
+    """A seeded T > 0 request's tokens depend on its depths: it runs the configured shape, the others are planned
+    (K = 0 when verify cost is linear; the configured depth when memory-bound), greedy seeded ones included."""
+    for cost, deepest in ((COMPUTE_BOUND, 2), (MEMORY_BOUND, K_MAX)):
+        p = policy(costs(**cost))
+        reqs = requests(8, greedy=False) + requests(8, greedy=True, start=8)
+        reqs[0].params.seed = 7  # sampled, seeded: pinned
+        reqs[8].params.seed = 7  # greedy, seeded: its output does not depend on depth, so it is planned
+        for r in reqs:
+            teach(p, r, 0.85, seed=r.seq_id)
+        shapes = p.plan(reqs)
+        assert shapes[0] == (1,) * K_MAX
+        # (compute-bound: the pinned round lowers the step's rate, so a few short chains now pay)
+        assert max(len(s) for s in shapes[1:]) == deepest, shapes
+        if deepest == K_MAX:
+            assert shapes[1:] == [(1,) * K_MAX] * 15
