@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
 PROMPT_LEN = 8  # dummy prompt tokens: the decode costs being profiled hardly depend on the context length
+MAX_BATCH = 256  # larger batches are priced by extrapolating the curves (their slope is measured by then)
 ROUNDS = 4  # verify rounds per group: the first of each group prefills, the rest are what the curves keep
 
 
@@ -36,10 +37,11 @@ def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -
     tree = policy.base.tree.branching
     shapes = list(dict.fromkeys([(), (1,) * max(1, k_max // 2), tree]))  # plain, a short chain, the configured
     batches = [1]
-    while batches[-1] * 4 <= engine.config.scheduler.max_num_seqs:
+    top = min(engine.config.scheduler.max_num_seqs, MAX_BATCH)
+    while batches[-1] * 4 <= top:
         batches.append(batches[-1] * 4)
-    if batches[-1] != engine.config.scheduler.max_num_seqs:
-        batches.append(engine.config.scheduler.max_num_seqs)
+    if batches[-1] != top:
+        batches.append(top)
     rng = random.Random(0)
     deadline = time.perf_counter() + budget_s
     steps = 0
