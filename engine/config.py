@@ -48,8 +48,9 @@ class SpeculativeConfig:
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted);
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
-      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
-      ``num_speculative_tokens``) until measurements show the policy at least matching the best fixed depth;
+      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default true unless a
+      batch-size table is given; ``false`` fixes the depth at ``num_speculative_tokens``. Seeded sampled
+      requests always run the configured shape (their tokens depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
       adaptive policy's cost curves (default 3; 0: learn from the first requests);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
@@ -66,7 +67,7 @@ class SpeculativeConfig:
     pipeline: bool = False
     pipeline_width: int = 2
     quantization: str | None = None
-    adaptive: bool | None = None  # None: off (opt-in while it measures slower than a fixed depth at batch 1)
+    adaptive: bool | None = None  # None: on, unless a batch-size table fixes the schedule
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 3.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
 
@@ -110,7 +111,10 @@ class SpeculativeConfig:
 
     @property
     def is_adaptive(self) -> bool:
-        return bool(self.adaptive)
+        """On unless the user fixed the depth: ``"adaptive": false``, or vLLM's batch-size table."""
+        if self.adaptive is not None:
+            return self.adaptive
+        return self.num_speculative_tokens_per_batch_size is None
 
     @property
     def batch_size_schedule(self) -> tuple[tuple[int, int], ...] | None:
