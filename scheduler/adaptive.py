@@ -82,6 +82,7 @@ class AdaptivePolicy:
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
+    _prefill: int = 0  # prompt tokens this step's target forward likely carries besides the rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
@@ -114,7 +115,8 @@ class AdaptivePolicy:
         """A seeded sampled request runs the configured shape every round: its output must not depend on timing."""
         return req.params.seed is not None and not req.params.greedy
 
-    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+    def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
+        self._prefill = prefill_tokens
         if self.forced is not None:
             return [self.forced[: self.base.cap(r)] for r in reqs]
         k = self.base.tree.depth
@@ -161,7 +163,7 @@ class AdaptivePolicy:
         if self._cost is None:
             self._cost = self._regime_cost(rs)
         tokens = 0.0
-        verify = 0
+        verify = self._prefill
         forwards: list[int] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
@@ -220,7 +222,8 @@ class AdaptivePolicy:
         return self.price(rs, [(1,) * d for d in depths])
 
     def _pinned_verify(self) -> int:
-        return sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
+        """Target tokens of the step that the plan does not choose: the pinned rounds', and prefill chunks."""
+        return self._prefill + sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
 
     def _pinned_forwards(self) -> list[int]:
         forwards: list[int] = []

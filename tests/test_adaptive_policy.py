@@ -265,3 +265,17 @@ def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -
         assert max(len(s) for s in shapes[1:]) == deepest, shapes
         if deepest == K_MAX:
             assert shapes[1:] == [(1,) * K_MAX] * 15
+
+
+# ------------------------------------------------------------------------ a prefill chunk in the same step
+def test_a_prefill_in_the_same_step_is_priced() -> None:
+    """Beside a 256-token prefill chunk the target is past its flat region anyway: the candidates of a decoding
+    request cost their marginal tokens, not the jump from a 1-token step to a 9-token one. Verify: flat 10 ms to
+    8 tokens, then +1 ms per 8 tokens; a step with candidates needs a draft call (8 ms fixed)."""
+    p = policy(costs(verify=lambda n: 10 * MS + max(0, n - 8) * MS / 8, draft=lambda n: 0.1 * MS))
+    p.cost.draft_call = curve(lambda n: 8 * MS)
+    reqs = requests(1)
+    teach(p, reqs[0], 0.35)
+    assert p.plan(reqs) == [()]  # alone: 1 token in 10 ms beats ~1.5 tokens in 18 ms
+    p._last.clear()
+    assert len(p.plan(reqs, prefill_tokens=256)[0]) > 0  # beside the prefill: 1 in 41 ms vs ~1.5 in 50 ms
