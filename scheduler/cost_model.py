@@ -38,6 +38,7 @@ class Curve:
     """Seconds vs a size (tokens, requests): EW means per log2 bucket, piecewise-linear in between."""
 
     decay: float = 0.1  # weight of a new measurement in its bucket (~10 steps: CPU step times are noisy)
+    max_jump: float = 0.5  # the most weight one measurement gets in a bucket that has a value
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
@@ -57,8 +58,9 @@ class Curve:
             self.points[b] = _Point(float(x), seconds, self.clock)
             return
         # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
-        # after a long gap (an exploration step) replaces its stale value instead of nudging it.
-        a = 1.0 - (1.0 - self.decay) ** (self.clock - p.step)
+        # after a long gap (an exploration step) moves most of the way to the new value instead of nudging it;
+        # but never all the way, so one step that another process slowed down 3x does not become the curve.
+        a = min(self.max_jump, 1.0 - (1.0 - self.decay) ** (self.clock - p.step))
         p.x += a * (x - p.x)
         p.y += a * (seconds - p.y)
         p.step = self.clock

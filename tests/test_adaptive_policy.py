@@ -279,3 +279,18 @@ def test_a_prefill_in_the_same_step_is_priced() -> None:
     assert p.plan(reqs) == [()]  # alone: 1 token in 10 ms beats ~1.5 tokens in 18 ms
     p._last.clear()
     assert len(p.plan(reqs, prefill_tokens=256)[0]) > 0  # beside the prefill: 1 in 41 ms vs ~1.5 in 50 ms
+
+
+def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
+    """A size re-measured after a long gap moves towards the new value, but a single 10x outlier (another
+    process took the cores) must not replace a steady history."""
+    c = Curve()
+    for _ in range(30):
+        c.observe(4, 10 * MS)
+    for _ in range(200):
+        c.observe(64, 50 * MS)  # the other bucket runs meanwhile: bucket 4 goes stale
+    c.observe(4, 100 * MS)
+    assert c(4) <= 55 * MS
+    for _ in range(15):  # a real change takes over at the curve's usual pace
+        c.observe(4, 100 * MS)
+    assert c(4) > 80 * MS
