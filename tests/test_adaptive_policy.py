@@ -290,7 +290,7 @@ def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
     for _ in range(200):
         c.observe(64, 200 * MS)  # the other bucket runs meanwhile: bucket 4 goes stale
     c.observe(4, 100 * MS)
-    assert c(4) <= 55 * MS
+    assert c(4) <= 56 * MS  # halfway: 55 ms
     for _ in range(15):  # a real change takes over at the curve's usual pace
         c.observe(4, 100 * MS)
     assert c(4) > 80 * MS
