@@ -127,8 +127,10 @@ class HF:
 
 
 def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
-               row: Row | None) -> list[list[int]]:
-    """All groups through the engine, one generate call each; statistics of this run go into ``row``."""
+               row: Row | None, seeded: bool = True) -> list[list[int]]:
+    """All groups through the engine, one generate call each; statistics of this run go into ``row``.
+    ``seeded``: fixed seeds per request (reproducible; the adaptive policy keeps seeded sampled requests at the
+    configured depth, so compare it unseeded)."""
     eng = llm.engine
     eng.stats.__init__()
     eng.times.__init__()
@@ -136,7 +138,8 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
         eng.pipeline.stats.__init__()
     outs = []
     for i, group in enumerate(groups):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=1000 * i + j)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                 seed=1000 * i + j if seeded else None)
                   for j in range(len(group))]
         outs += [o.token_ids for o in llm.generate(group, params)]
     if row is None:
@@ -179,6 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fixed-ks", default="", help="also fixed chains of these K (modes specserve_k<K>), "
                                                    "e.g. 2,4,6,8")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--unseeded", action="store_true",
+                    help="sampled requests without seeds (seeded ones keep the configured depth under adaptive)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the tables show medians)")
     ap.add_argument("--modes", default=",".join(HF_MODES + ENGINE_MODES), help="comma-separated subset")
@@ -277,7 +282,7 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                             k=args.k if m == "hf_assisted_constant_k" else None)]
                     runs[m] = hf_run
                 else:
-                    runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row)
+                    runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row, not args.unseeded)
             for m in runs:  # warm-up, untimed: the first use of a batch shape allocates
                 if m.startswith("hf_"):
                     hf.generate(groups[0], 2, temp, 0, assisted=m != "hf_generate")
