@@ -172,6 +172,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specserve bench compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="default: the built-in target")
     ap.add_argument("--draft", default=None, help="default: the built-in draft")
+    ap.add_argument("--random-shape", default=None, metavar="HIDDEN,LAYERS,VOCAB",
+                    help="a random target of this shape (e.g. 1024,12,32000) and its first layer as the draft, "
+                         "built under --random-dir (timing only; engine/benchmarks/random_pair.py)")
+    ap.add_argument("--random-dir", default=os.path.join("runs", "random-pair"))
     ap.add_argument("--prompts", default=str(DEFAULT_MODELS_DIR / "prompts.jsonl"),
                     help="JSONL with 'prompt' or 'prompt_token_ids' (random prompts when the file is missing)")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per run (reused to fill a larger batch)")
@@ -202,6 +206,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.random_shape:
+        from engine.benchmarks.random_pair import make_random_pair, parse_shape
+
+        args.target, args.draft = make_random_pair(os.path.join(args.random_dir, args.random_shape.replace(",", "x")),
+                                                   *parse_shape(args.random_shape))
+        args.prompts = None  # no tokenizer, another vocabulary: random prompt ids
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
         args.target, args.draft = args.target or t, args.draft or d
