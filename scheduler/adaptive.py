@@ -198,8 +198,19 @@ class AdaptivePolicy:
         verify = sum(r.inflight for r in rs) + self._pinned_verify()
         tokens = float(len(rs)) + pinned.tokens
         fixed_s = self._cost.state(len(rs) + len(self._pinned))
-        verify_cost, draft_seconds = self._cost.verify, self._cost.draft_seconds
-        best_n, best_rate = 0, tokens / (verify_cost(verify) + draft_seconds(forwards) + fixed_s)
+        verify_cost, draft_cost, call_cost = self._cost.verify, self._cost.draft, self._cost.draft_call
+        # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
+        # per-step cost: re-pricing all K forwards at every prefix was most of it).
+        fwd_s = [draft_cost(f) if f > 0 else 0.0 for f in forwards]
+        dirty: set[int] = set()
+
+        def draft_s() -> float:
+            for f in dirty:
+                fwd_s[f] = draft_cost(forwards[f]) if forwards[f] > 0 else 0.0
+            dirty.clear()
+            return sum(fwd_s) + call_cost(forwards[0]) if forwards and forwards[0] > 0 else 0.0
+
+        best_n, best_rate = 0, tokens / (verify_cost(verify) + draft_s() + fixed_s)
         # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
         stride = max(1, -(-len(cands) // 32))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
@@ -208,10 +219,12 @@ class AdaptivePolicy:
             verify += 1
             if len(forwards) <= j:
                 forwards.append(0)
+                fwd_s.append(0.0)
             forwards[j] += rs[i].lag if j == 0 else 1
+            dirty.add(j)
             if n % stride and n != len(cands):
                 continue
-            rate = tokens / (verify_cost(verify) + draft_seconds(forwards) + fixed_s)
+            rate = tokens / (verify_cost(verify) + draft_s() + fixed_s)
             if rate > best_rate:
                 best_n, best_rate = n, rate
             elif rate < 0.8 * best_rate:  # gains shrink and costs grow from here on: it will not recover
