@@ -65,8 +65,10 @@ class AcceptanceTracker:
         self._requests.pop((seq_id, True), None)
 
     def engine_rates(self, greedy: bool, depth: int, widths: tuple[int, ...] | None = None) -> list[float]:
-        """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: a
-        level accepts if any of w independent chain candidates would, 1 - (1 - alpha)^w)."""
+        """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: the
+        chain's rate at that level. Siblings would accept 1 - (1 - alpha)^w if they were independent, but they
+        are not (at T=0 they are the draft's next-best tokens; at T>0 draws from the same q), and a prior that
+        promises the gain picks an unmeasured tree; the tree wins once its own rounds show the gain)."""
         chain = self._counts(self._engine, (greedy, False), self.engine_decay)
         # A position's prior is the rate of the one above it (DEFAULT_RATE at the first): a depth the policy has
         # not tried yet looks like the deepest one it has measured. A fixed prior below the measured rates
@@ -78,7 +80,7 @@ class AcceptanceTracker:
         if widths is None:
             return rates
         tree = self._counts(self._engine, (greedy, True), self.engine_decay)
-        return [tree.rate(j, 1 - (1 - rates[j]) ** widths[j], self.prior_weight) for j in range(depth)]
+        return [tree.rate(j, rates[j], self.prior_weight) for j in range(depth)]
 
     def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,
               prior: list[float] | None = None) -> list[float]:

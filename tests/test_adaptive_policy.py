@@ -294,3 +294,18 @@ def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
     for _ in range(15):  # a real change takes over at the curve's usual pace
         c.observe(4, 100 * MS)
     assert c(4) > 80 * MS
+
+
+def test_an_unmeasured_tree_is_not_chosen_on_its_prior() -> None:
+    """Before any tree round is measured the tree is priced at the chain's rates (its sibling gain unproven), so
+    the policy keeps chains; the exploration steps (the configured shape) measure it, and then it may win."""
+    cost = costs(verify=lambda n: 10 * MS + 0.05 * MS * n, draft=lambda n: 0.5 * MS)  # nodes nearly free
+    tree = (3, 1, 1, 1)  # at chain rate 0.6 its independent-siblings prior (1 - 0.4^3 = 0.94) would win
+    p = policy(cost, branching=tree)
+    reqs = requests(4)
+    for r in reqs:
+        teach(p, r, 0.6, seed=r.seq_id, branching=(1, 1, 1, 1))
+    assert all(all(w == 1 for w in s) for s in p.plan(reqs))
+    for r in reqs:
+        teach(p, r, 0.99, seed=50 + r.seq_id, branching=tree)
+    assert p.plan(reqs) == [tree] * 4
