@@ -31,7 +31,7 @@ ROUNDS = 4  # verify rounds per group: the first of each group prefills, the res
 
 def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     """Run dummy groups (forced shape x batch size x regime) until ``budget_s`` is spent; the steps run."""
-    if budget_s <= 0:
+    if budget_s <= 0 or engine.max_model_len < 4 * PROMPT_LEN:  # no room for dummy sequences: learn as it goes
         return 0
     k_max = policy.base.tree.depth
     tree = policy.base.tree.branching
