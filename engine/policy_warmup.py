@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 PROMPT_LEN = 8  # dummy prompt tokens: the decode costs being profiled hardly depend on the context length
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves (their slope is measured by then)
+SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round
 ROUNDS = 4  # verify rounds per group: the first of each group prefills, the rest are what the curves keep
 
 
@@ -59,6 +60,7 @@ def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -
                     steps += _group(engine, rng, b, temperature, len(shape))
     finally:
         policy.forced = None
+        policy.observing = True
         policy.acceptance = AcceptanceTracker()  # random prompts: their acceptance is not the users'
         policy._last.clear()
         engine.stats.__init__()
@@ -73,12 +75,16 @@ def _group(engine: LLMEngine, rng: random.Random, batch: int, temperature: float
     for rid in ids:
         prompt = [rng.randrange(1, vocab) for _ in range(PROMPT_LEN)]
         # Room for every round to be fully accepted, so none is cut short by the token limit.
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=(ROUNDS + 1) * (depth + 1), temperature=temperature,
-                                                       ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=(ROUNDS + SKIPPED) * (depth + 1),
+                                                       temperature=temperature, ignore_eos=True))
     steps = 0
-    while engine.has_unfinished and steps <= ROUNDS:
+    policy = engine.scheduler.policy
+    while engine.has_unfinished and steps <= ROUNDS + SKIPPED:
+        # The prefill step and the first round pay one-off costs (the draft's own prefill, new shapes): not kept.
+        policy.observing = steps >= SKIPPED
         engine.step()
         steps += 1
+    policy.observing = True
     for rid in ids:
         engine.abort_request(rid)
     engine.step()  # finishes the aborted ones (no model call)

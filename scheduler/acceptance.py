@@ -93,6 +93,11 @@ class AcceptanceTracker:
             return prior[:depth]
         return [own.rate(j, prior[j], self.prior_weight) for j in range(depth)]
 
+    def chain_rounds(self, greedy: bool) -> float:
+        """The engine's (decayed) count of chain rounds in a regime."""
+        c = self._engine.get((greedy, False))
+        return c.rounds() if c is not None else 0.0
+
     def tree_rounds(self, greedy: bool) -> float:
         c = self._engine.get((greedy, True))
         return c.rounds() if c is not None else 0.0

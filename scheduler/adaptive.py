@@ -77,6 +77,11 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
     explore_every: int = 64  # steps before a size the policy does not use is measured again
+    # Rounds of a sampling regime the engine must have seen before its requests are planned: until then they run
+    # the configured shape. A policy that plans from the default prior alone may choose K = 0 and then never
+    # measures the acceptance that would have made speculation pay.
+    min_rounds: int = 8
+    observing: bool = True  # False: step times are not learned (the start-up profiling's first steps)
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     explored_steps: int = 0
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
@@ -99,6 +104,8 @@ class AdaptivePolicy:
         self.acceptance.observe(req.seq_id, req.params.greedy, tree, len(branching), num_accepted)
 
     def observe_step(self, sample: StepSample) -> None:
+        if not self.observing:
+            return
         (self.sampled_cost if sample.sampled else self.cost).observe(sample)
 
     def _regime_cost(self, rs: Sequence[_Req]) -> CostModel:
@@ -124,7 +131,8 @@ class AdaptivePolicy:
         views = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: v.cap] for v in views]
         self._cost = self._regime_cost(views)
-        pin = [self.pinned(r) for r in reqs]
+        known = {g: self.acceptance.chain_rounds(g) >= self.min_rounds for g in (False, True)}
+        pin = [self.pinned(r) or not known[r.params.greedy] for r in reqs]
         self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
         rs = [v for v, p in zip(views, pin, strict=True) if not p]
         if not rs or not self._cost.ready:

@@ -155,7 +155,7 @@ def test_without_hysteresis_the_same_noise_makes_it_flap() -> None:
 
 def test_exploration_measures_the_unused_plan_again() -> None:
     """At K = 0 the full depth is run once every ``explore_every`` steps, so a changed machine is noticed."""
-    p = policy(costs(**COMPUTE_BOUND), explore_every=16)
+    p = policy(costs(**COMPUTE_BOUND), explore_every=16, min_rounds=0)  # no acceptance taught: plan anyway
     reqs = requests(4)
     plans = []
     for _ in range(40):
@@ -309,3 +309,19 @@ def test_an_unmeasured_tree_is_not_chosen_on_its_prior() -> None:
     for r in reqs:
         teach(p, r, 0.99, seed=50 + r.seq_id, branching=tree)
     assert p.plan(reqs) == [tree] * 4
+
+
+def test_a_regime_without_measured_rounds_runs_the_configured_depth() -> None:
+    """With no rounds measured the default prior (0.7) makes plain decode look best here; planning from it, the
+    policy would never run a round and never learn that this draft accepts 0.95 (the batch-1 trap measured on
+    the built-in pair). Until ``min_rounds`` rounds of the regime are seen, its requests run the configured depth."""
+    p = policy(costs(verify=lambda n: 10 * MS + 0.6 * MS * n, draft=lambda n: 3.0 * MS))
+    p.cost.draft_call = curve(lambda n: 6 * MS)
+    reqs = requests(1)
+    assert p.plan(reqs) == [(1,) * K_MAX]
+    p.min_rounds = 0
+    assert p.plan(reqs) == [()]  # what the prior alone would choose
+    p.min_rounds = 8
+    p._last.clear()
+    teach(p, reqs[0], 0.97, rounds=10)
+    assert len(p.plan(reqs)[0]) >= 6
