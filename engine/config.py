@@ -63,9 +63,10 @@ class SpeculativeConfig:
       thread beside the target (engine/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
-      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default true unless a
-      batch-size table is given; ``false`` fixes the depth at ``num_speculative_tokens``. Seeded sampled
-      requests always run the configured shape (their tokens depend on the depths; a seed must reproduce them);
+      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
+      ``num_speculative_tokens``) until measurements on a quiet machine show the policy at least matching the
+      best fixed depth. Seeded sampled requests always run the configured shape (their tokens depend on the
+      depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
       adaptive policy's cost curves (default 3; 0: learn from the first requests);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
@@ -85,7 +86,7 @@ class SpeculativeConfig:
     draft_cores: list[int] | None = None
     target_cores: list[int] | None = None
     quantization: str | None = None
-    adaptive: bool | None = None  # None: on, unless a batch-size table fixes the schedule
+    adaptive: bool | None = None  # None: off (opt-in while it measures below the best fixed depth at batch 1)
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 3.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
 
@@ -146,10 +147,7 @@ class SpeculativeConfig:
 
     @property
     def is_adaptive(self) -> bool:
-        """On unless the user fixed the depth: ``"adaptive": false``, or vLLM's batch-size table."""
-        if self.adaptive is not None:
-            return self.adaptive
-        return self.num_speculative_tokens_per_batch_size is None
+        return bool(self.adaptive)
 
     @property
     def batch_size_schedule(self) -> tuple[tuple[int, int], ...] | None:

@@ -115,9 +115,8 @@ def test_speculative_config_from_json() -> None:
     assert cfg.tree_shape.branching == (2, 1, 1) and cfg.tree_shape.num_nodes == 6
 
 
-def test_adaptive_is_the_default_and_the_batch_size_table() -> None:
-    assert SpeculativeConfig.parse({"model": "d"}).is_adaptive  # unless the user fixes the depth
-    assert SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3}).is_adaptive  # K is K_max
+def test_adaptive_is_opt_in_and_the_batch_size_table() -> None:
+    assert not SpeculativeConfig.parse({"model": "d"}).is_adaptive  # opt-in until it beats a fixed depth here
     assert not SpeculativeConfig.parse({"model": "d", "adaptive": False}).is_adaptive
     assert SpeculativeConfig.parse({"model": "d", "adaptive": True}).is_adaptive
     cfg = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": {"16": 2, "1": 4,
