@@ -64,7 +64,11 @@ class SpeculativeConfig:
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
       tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
-      ``num_speculative_tokens``) until measurements show the policy at least matching the best fixed depth;
+      ``num_speculative_tokens``) until measurements on a quiet machine show the policy at least matching the
+      best fixed depth. Seeded sampled requests always run the configured shape (their tokens depend on the
+      depths; a seed must reproduce them);
+    - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
+      adaptive policy's cost curves (default 3; 0: learn from the first requests);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
     """
@@ -82,8 +86,9 @@ class SpeculativeConfig:
     draft_cores: list[int] | None = None
     target_cores: list[int] | None = None
     quantization: str | None = None
-    adaptive: bool | None = None  # None: off (opt-in while it measures slower than a fixed depth at batch 1)
+    adaptive: bool | None = None  # None: off (opt-in while it measures below the best fixed depth at batch 1)
     num_speculative_tokens_per_batch_size: dict | list | None = None
+    adaptive_warmup_s: float = 3.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -121,6 +126,9 @@ class SpeculativeConfig:
                              "apart: they need draft_process=true")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive must be true or false, got {self.adaptive!r}")
+        t = self.adaptive_warmup_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 60:
+            raise ValueError(f"speculative_config.adaptive_warmup_s must be a number of seconds in [0, 60], got {t!r}")
         if self.num_speculative_tokens_per_batch_size is not None:
             _ = self.batch_size_schedule  # validates the table
             if self.adaptive:

@@ -22,6 +22,7 @@ from engine.faults import WorkerDiedError
 from engine.metrics import SpecDecodingStats, StepTimes
 from engine.outputs import RequestDelta, RequestOutput
 from engine.pipelined_drafter import PipelinedDrafter
+from engine.policy_warmup import warm_up_policy
 from engine.recovery import Recovery
 from engine.stopping import StopChecker
 from scheduler.adaptive import AdaptivePolicy
@@ -113,6 +114,8 @@ class LLMEngine:
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
+        if isinstance(policy, AdaptivePolicy):  # seed its cost curves before the first user request
+            warm_up_policy(self, policy, spec.adaptive_warmup_s)
 
     def _new_drafter(self) -> Drafter:
         spec = self.config.speculative
@@ -313,6 +316,8 @@ class LLMEngine:
         t = self.times
         sample.verify_s = t.verify_wall_s - before.verify_wall_s
         sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
+        if self.pipeline is None:  # sequential: the worker's own share is known apart (pipelined: hidden)
+            sample.draft_worker_s = t.draft_s - before.draft_s
         sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
         return sample
 

@@ -65,14 +65,22 @@ class AcceptanceTracker:
         self._requests.pop((seq_id, True), None)
 
     def engine_rates(self, greedy: bool, depth: int, widths: tuple[int, ...] | None = None) -> list[float]:
-        """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: a
-        level accepts if any of w independent chain candidates would, 1 - (1 - alpha)^w)."""
+        """Engine-wide rates for a regime: chains, or a tree with ``widths`` siblings per level (its prior: the
+        chain's rate at that level. Siblings would accept 1 - (1 - alpha)^w if they were independent, but they
+        are not (at T=0 they are the draft's next-best tokens; at T>0 draws from the same q), and a prior that
+        promises the gain picks an unmeasured tree; the tree wins once its own rounds show the gain)."""
         chain = self._counts(self._engine, (greedy, False), self.engine_decay)
-        rates = [chain.rate(j, DEFAULT_RATE, self.prior_weight) for j in range(depth)]
+        # A position's prior is the rate of the one above it (DEFAULT_RATE at the first): a depth the policy has
+        # not tried yet looks like the deepest one it has measured. A fixed prior below the measured rates
+        # would keep a policy that stopped at depth d from ever trying d + 1 (its rounds never reach it), and
+        # one above them would keep it too deep.
+        rates: list[float] = []
+        for j in range(depth):
+            rates.append(chain.rate(j, rates[-1] if rates else DEFAULT_RATE, self.prior_weight))
         if widths is None:
             return rates
         tree = self._counts(self._engine, (greedy, True), self.engine_decay)
-        return [tree.rate(j, 1 - (1 - rates[j]) ** widths[j], self.prior_weight) for j in range(depth)]
+        return [tree.rate(j, rates[j], self.prior_weight) for j in range(depth)]
 
     def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,
               prior: list[float] | None = None) -> list[float]:
@@ -84,6 +92,11 @@ class AcceptanceTracker:
         if own is None:
             return prior[:depth]
         return [own.rate(j, prior[j], self.prior_weight) for j in range(depth)]
+
+    def chain_rounds(self, greedy: bool) -> float:
+        """The engine's (decayed) count of chain rounds in a regime."""
+        c = self._engine.get((greedy, False))
+        return c.rounds() if c is not None else 0.0
 
     def tree_rounds(self, greedy: bool) -> float:
         c = self._engine.get((greedy, True))

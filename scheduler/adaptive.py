@@ -22,8 +22,14 @@ Stability: the previous step's choice, re-priced with today's estimates, stays u
 Exploration keeps the cost curves current: a curve is only trusted near sizes it measured, so every
 ``explore_every`` steps the policy runs one step of the plan it is not using (plain decode while it
 speculates, the full configured depth while it does not) when that size was not measured lately. Until both
-curves have data the configured depth runs (the fixed policy). Greedy output never depends on any of this
-(the depth never changes a greedy token); sampled output keeps the target's law at every depth.
+curves have data the configured depth runs (the fixed policy); the engine seeds both curves at start-up with
+a few steps of dummy sequences over depths and batch sizes (engine/policy_warmup.py, through ``forced``).
+
+Reproducibility: greedy output never depends on any of this (the depth never changes a greedy token), and
+unseeded sampled output keeps the target's law at every depth. A *seeded* sampled request's tokens depend on the
+depths its rounds ran (the draws are consumed differently), so it is pinned to the configured shape: the same
+seed gives the same output whatever the load and the measured costs. The others are planned around it (its
+tokens are priced in the step).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from dataclasses import dataclass, field
 from scheduler.acceptance import AcceptanceTracker, expected_tokens
 from scheduler.cost_model import CostModel, StepSample
 from scheduler.request import Request
-from scheduler.spec_policy import SpecPolicy
+from scheduler.spec_policy import SpecPolicy, branching_nodes
 
 
 @dataclass
@@ -71,9 +77,17 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
     explore_every: int = 64  # steps before a size the policy does not use is measured again
+    # Rounds of a sampling regime the engine must have seen before its requests are planned: until then they run
+    # the configured shape. A policy that plans from the default prior alone may choose K = 0 and then never
+    # measures the acceptance that would have made speculation pay.
+    min_rounds: int = 8
+    observing: bool = True  # False: step times are not learned (the start-up profiling's first steps)
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     explored_steps: int = 0
+    forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
+    _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
+    _prefill: int = 0  # prompt tokens this step's target forward likely carries besides the rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
@@ -90,6 +104,8 @@ class AdaptivePolicy:
         self.acceptance.observe(req.seq_id, req.params.greedy, tree, len(branching), num_accepted)
 
     def observe_step(self, sample: StepSample) -> None:
+        if not self.observing:
+            return
         (self.sampled_cost if sample.sampled else self.cost).observe(sample)
 
     def _regime_cost(self, rs: Sequence[_Req]) -> CostModel:
@@ -101,14 +117,32 @@ class AdaptivePolicy:
         self.acceptance.forget(seq_id)
         self._last.pop(seq_id, None)
 
-    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+    @staticmethod
+    def pinned(req: Request) -> bool:
+        """A seeded sampled request runs the configured shape every round: its output must not depend on timing."""
+        return req.params.seed is not None and not req.params.greedy
+
+    def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
+        self._prefill = prefill_tokens
+        if self.forced is not None:
+            return [self.forced[: self.base.cap(r)] for r in reqs]
         k = self.base.tree.depth
         priors = {g: self.acceptance.engine_rates(g, k) for g in (False, True)}
-        rs = [self._view(r, priors[r.params.greedy]) for r in reqs]
-        fixed = [self.base.tree.branching[: r.cap] for r in rs]
-        self._cost = self._regime_cost(rs)
+        views = [self._view(r, priors[r.params.greedy]) for r in reqs]
+        fixed = [self.base.tree.branching[: v.cap] for v in views]
+        self._cost = self._regime_cost(views)
+        known = {g: self.acceptance.chain_rounds(g) >= self.min_rounds for g in (False, True)}
+        pin = [self.pinned(r) or not known[r.params.greedy] for r in reqs]
+        self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
+        rs = [v for v, p in zip(views, pin, strict=True) if not p]
         if not rs or not self._cost.ready:
             return fixed  # nothing measured yet: the configured depth, which measures both curves
+        chosen = self._plan_free(rs, [f for f, p in zip(fixed, pin, strict=True) if not p])
+        it = iter(chosen)
+        return [f if p else next(it) for f, p in zip(fixed, pin, strict=True)]
+
+    def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""
         best = self.best_chains(rs)
         tree = self._tree_plan(rs)
         if tree is not None and tree.rate > best.rate:
@@ -133,13 +167,14 @@ class AdaptivePolicy:
                     self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior))
 
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
-        """Expected tokens and predicted seconds of a step running these shapes."""
+        """Expected tokens and predicted seconds of a step running these shapes (and the pinned rounds')."""
         if self._cost is None:
             self._cost = self._regime_cost(rs)
         tokens = 0.0
-        verify = 0
+        verify = self._prefill
         forwards: list[int] = []
-        for r, shape in zip(rs, shapes, strict=True):
+        pairs = [*zip(rs, shapes, strict=True), *self._pinned]
+        for r, shape in pairs:
             d = len(shape)
             is_tree = any(w > 1 for w in shape)
             rates = self.acceptance.rates(r.seq_id, r.greedy, d, tuple(shape)) if is_tree else r.rates
@@ -152,7 +187,7 @@ class AdaptivePolicy:
                 forwards[f] += r.lag if f == 0 else level  # forward f carries level f, making level f + 1
                 level *= shape[f]
                 verify += level
-        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(rs)))
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs)))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
         """The best prefix of all chain candidates ordered by value (reached-and-accepted probability)."""
@@ -166,12 +201,24 @@ class AdaptivePolicy:
                 cands.append((-p, j, i))
         cands.sort()
         depths = [0] * len(rs)
-        forwards: list[int] = []
-        verify = sum(r.inflight for r in rs)
-        tokens = float(len(rs))
-        fixed_s = self._cost.state(len(rs))
-        verify_cost, draft_cost = self._cost.verify, self._cost.draft
-        best_n, best_rate = 0, tokens / (verify_cost(verify) + fixed_s)
+        pinned = self.price([], [])  # the pinned rounds alone: their tokens and nodes are in every prefix
+        forwards = self._pinned_forwards()
+        verify = sum(r.inflight for r in rs) + self._pinned_verify()
+        tokens = float(len(rs)) + pinned.tokens
+        fixed_s = self._cost.state(len(rs) + len(self._pinned))
+        verify_cost, draft_cost, call_cost = self._cost.verify, self._cost.draft, self._cost.draft_call
+        # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
+        # per-step cost: re-pricing all K forwards at every prefix was most of it).
+        fwd_s = [draft_cost(f) if f > 0 else 0.0 for f in forwards]
+        dirty: set[int] = set()
+
+        def draft_s() -> float:
+            for f in dirty:
+                fwd_s[f] = draft_cost(forwards[f]) if forwards[f] > 0 else 0.0
+            dirty.clear()
+            return sum(fwd_s) + call_cost(forwards[0]) if forwards and forwards[0] > 0 else 0.0
+
+        best_n, best_rate = 0, tokens / (verify_cost(verify) + draft_s() + fixed_s)
         # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
         stride = max(1, -(-len(cands) // 32))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
@@ -180,10 +227,12 @@ class AdaptivePolicy:
             verify += 1
             if len(forwards) <= j:
                 forwards.append(0)
+                fwd_s.append(0.0)
             forwards[j] += rs[i].lag if j == 0 else 1
+            dirty.add(j)
             if n % stride and n != len(cands):
                 continue
-            rate = tokens / (verify_cost(verify) + sum(draft_cost(f) for f in forwards) + fixed_s)
+            rate = tokens / (verify_cost(verify) + draft_s() + fixed_s)
             if rate > best_rate:
                 best_n, best_rate = n, rate
             elif rate < 0.8 * best_rate:  # gains shrink and costs grow from here on: it will not recover
@@ -192,6 +241,21 @@ class AdaptivePolicy:
         for _, j, i in cands[:best_n]:
             depths[i] = max(depths[i], j + 1)
         return self.price(rs, [(1,) * d for d in depths])
+
+    def _pinned_verify(self) -> int:
+        """Target tokens of the step that the plan does not choose: the pinned rounds', and prefill chunks."""
+        return self._prefill + sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
+
+    def _pinned_forwards(self) -> list[int]:
+        forwards: list[int] = []
+        for r, shape in self._pinned:
+            level = 1
+            for f, w in enumerate(shape):
+                if len(forwards) <= f:
+                    forwards.append(0)
+                forwards[f] += r.lag if f == 0 else level
+                level *= w
+        return forwards
 
     def _tree_plan(self, rs: Sequence[_Req]) -> _Plan | None:
         """The configured tree (cut to each request's cap) for every request, when it is not a chain."""
@@ -216,6 +280,7 @@ class AdaptivePolicy:
         other = plain if any(chosen) else fixed
         if other == chosen:
             return None
-        tokens = sum(r.inflight for r in rs) + sum(self.base.num_nodes(len(s)) for s in other)
+        tokens = (sum(r.inflight for r in rs) + sum(self.base.num_nodes(len(s)) for s in other)
+                  + self._pinned_verify())
         age = self._cost.verify.age(tokens)
         return other if age is None or age >= self.explore_every else None

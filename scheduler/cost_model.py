@@ -8,6 +8,10 @@ way). Each part is a measured curve, not an assumed formula:
 - ``draft``: seconds of one draft forward vs the tokens it carries; a round of depth D costs D forwards, the
   f-th one over the requests still deeper than f (a chain of K forwards its in-flight tokens, then levels
   1..K-1; the deepest level is never forwarded);
+- ``draft_call``: the draft call's fixed part (messaging, the controller's share) vs the requests drafted, paid
+  once a step when anyone speculates. Charging it to the forwards instead (the call time / its forwards) makes a
+  depth-2 step's forwards look twice as dear as a depth-4 step's, and the policy that runs short chains learns
+  that deeper ones are dear too;
 - ``state``: the controller's own time per step (schedule, commit, emit) vs the number of requests.
 
 A ``Curve`` keeps an exponentially weighted mean per log2-bucket of its argument and interpolates between
@@ -34,6 +38,7 @@ class Curve:
     """Seconds vs a size (tokens, requests): EW means per log2 bucket, piecewise-linear in between."""
 
     decay: float = 0.1  # weight of a new measurement in its bucket (~10 steps: CPU step times are noisy)
+    max_jump: float = 0.5  # the most weight one measurement gets in a bucket that has a value
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
@@ -53,8 +58,9 @@ class Curve:
             self.points[b] = _Point(float(x), seconds, self.clock)
             return
         # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
-        # after a long gap (an exploration step) replaces its stale value instead of nudging it.
-        a = 1.0 - (1.0 - self.decay) ** (self.clock - p.step)
+        # after a long gap (an exploration step) moves most of the way to the new value instead of nudging it;
+        # but never all the way, so one step that another process slowed down 3x does not become the curve.
+        a = min(self.max_jump, 1.0 - (1.0 - self.decay) ** (self.clock - p.step))
         p.x += a * (x - p.x)
         p.y += a * (seconds - p.y)
         p.step = self.clock
@@ -113,6 +119,9 @@ class StepSample:
     num_seqs: int  # requests in the step
     state_s: float  # controller time: schedule + commit/emit
     sampled: bool = False  # some round sampled (temperature > 0): laws travel, residuals are sampled
+    # The draft worker's own time of the call (None: not known apart, e.g. pipelined, where it is hidden): the
+    # rest of draft_s is the call's fixed part.
+    draft_worker_s: float | None = None
 
 
 @dataclass
@@ -120,6 +129,7 @@ class CostModel:
     verify: Curve = field(default_factory=Curve)
     draft: Curve = field(default_factory=Curve)  # one forward
     state: Curve = field(default_factory=Curve)
+    draft_call: Curve = field(default_factory=Curve)  # the draft call's fixed part vs requests drafted
 
     @property
     def ready(self) -> bool:
@@ -131,9 +141,18 @@ class CostModel:
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:
             # The forwards of one call cannot be timed apart: charge each the mean, at its mean size.
-            self.draft.observe(sum(fwd) / len(fwd), s.draft_s / len(fwd))
+            worker = s.draft_s if s.draft_worker_s is None else min(s.draft_s, s.draft_worker_s)
+            self.draft.observe(sum(fwd) / len(fwd), worker / len(fwd))
+            if s.draft_worker_s is not None:
+                self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
         self.state.observe(s.num_seqs, s.state_s)
 
     def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:
-        return (self.verify(verify_tokens) + sum(self.draft(n) for n in draft_forward_tokens if n > 0)
-                + self.state(num_seqs))
+        return (self.verify(verify_tokens) + self.draft_seconds(draft_forward_tokens) + self.state(num_seqs))
+
+    def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
+        """The draft call of a step with these forwards (0 without any)."""
+        fwd = [n for n in draft_forward_tokens if n > 0]
+        if not fwd:
+            return 0.0
+        return self.draft_call(fwd[0]) + sum(self.draft(n) for n in fwd)

@@ -155,7 +155,7 @@ def test_without_hysteresis_the_same_noise_makes_it_flap() -> None:
 
 def test_exploration_measures_the_unused_plan_again() -> None:
     """At K = 0 the full depth is run once every ``explore_every`` steps, so a changed machine is noticed."""
-    p = policy(costs(**COMPUTE_BOUND), explore_every=16)
+    p = policy(costs(**COMPUTE_BOUND), explore_every=16, min_rounds=0)  # no acceptance taught: plan anyway
     reqs = requests(4)
     plans = []
     for _ in range(40):
@@ -214,3 +214,114 @@ def test_sampled_steps_are_priced_with_their_own_curves() -> None:
         teach(p, r, 0.85, seed=r.seq_id)
     assert p.plan(greedy) == [(1,) * K_MAX] * 4
     assert p.plan(sampled) == [()] * 4
+
+
+# --------------------------------------------------------------------------- depths the policy has not tried yet
+def test_an_untried_depth_looks_like_the_deepest_measured_one() -> None:
+    """A policy that ran depth 4 with every candidate accepted must not see depth 5 at a fixed 0.7 prior (it would
+    stop at 4 for good: its rounds never reach depth 5 to measure it)."""
+    t = AcceptanceTracker()
+    for _ in range(50):
+        t.observe(0, True, False, 4, 4)
+    rates = t.engine_rates(True, K_MAX)
+    assert min(rates[4:]) > 0.95, rates
+    # Draft forwards cost a fifth of a verify: worth going past 4 at 0.98, not at 0.7 (0.7 ** 5 * 10 < 2.5).
+    p = policy(costs(verify=lambda n: 10 * MS, draft=lambda n: 2.5 * MS))
+    p.acceptance = t
+    reqs = requests(1)
+    for _ in range(30):
+        p.observe_round(reqs[0], (1,) * 4, 4)
+    assert len(p.plan(reqs)[0]) > 4
+
+
+# ------------------------------------------------------------------------- the draft call's fixed part, apart
+def test_the_draft_calls_fixed_part_is_not_charged_per_forward() -> None:
+    """Calls of 2 and 8 forwards, each forward 1 ms and the call 10 ms on top: a 2-deep round's draft must cost
+    12 ms and an 8-deep one 18 ms (charging call / forwards per forward would price 8 forwards from the 2-deep
+    calls at 6 ms each)."""
+    c = CostModel()
+    for depth in (2, 8) * 20:
+        c.observe(StepSample(1 + depth, 10 * MS, [1] * depth, (10 + depth) * MS, False, 1, 0.0,
+                             draft_worker_s=depth * MS))
+    assert c.draft_seconds([1] * 2) == pytest.approx(12 * MS, rel=0.05)
+    assert c.draft_seconds([1] * 8) == pytest.approx(18 * MS, rel=0.05)
+    assert c.draft_seconds([]) == 0.0
+
+
+# ---------------------------------------------------------------------------- seeded sampled requests: pinned
+def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -> None:
+    """A seeded T > 0 request's tokens depend on its depths: it runs the configured shape, the others are planned
+    (K = 0 when verify cost is linear; the configured depth when memory-bound), greedy seeded ones included."""
+    for cost, deepest in ((COMPUTE_BOUND, 2), (MEMORY_BOUND, K_MAX)):
+        p = policy(costs(**cost))
+        reqs = requests(8, greedy=False) + requests(8, greedy=True, start=8)
+        reqs[0].params.seed = 7  # sampled, seeded: pinned
+        reqs[8].params.seed = 7  # greedy, seeded: its output does not depend on depth, so it is planned
+        for r in reqs:
+            teach(p, r, 0.85, seed=r.seq_id)
+        shapes = p.plan(reqs)
+        assert shapes[0] == (1,) * K_MAX
+        # (compute-bound: the pinned round lowers the step's rate, so a few short chains now pay)
+        assert max(len(s) for s in shapes[1:]) == deepest, shapes
+        if deepest == K_MAX:
+            assert shapes[1:] == [(1,) * K_MAX] * 15
+
+
+# ------------------------------------------------------------------------ a prefill chunk in the same step
+def test_a_prefill_in_the_same_step_is_priced() -> None:
+    """Beside a 256-token prefill chunk the target is past its flat region anyway: the candidates of a decoding
+    request cost their marginal tokens, not the jump from a 1-token step to a 9-token one. Verify: flat 10 ms to
+    8 tokens, then +1 ms per 8 tokens; a step with candidates needs a draft call (8 ms fixed)."""
+    p = policy(costs(verify=lambda n: 10 * MS + max(0, n - 8) * MS / 8, draft=lambda n: 0.1 * MS))
+    p.cost.draft_call = curve(lambda n: 8 * MS)
+    reqs = requests(1)
+    teach(p, reqs[0], 0.35)
+    assert p.plan(reqs) == [()]  # alone: 1 token in 10 ms beats ~1.5 tokens in 18 ms
+    p._last.clear()
+    assert len(p.plan(reqs, prefill_tokens=256)[0]) > 0  # beside the prefill: 1 in 41 ms vs ~1.5 in 50 ms
+
+
+def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
+    """A size re-measured after a long gap moves towards the new value, but a single 10x outlier (another
+    process took the cores) must not replace a steady history."""
+    c = Curve()
+    for _ in range(30):
+        c.observe(4, 10 * MS)
+    for _ in range(200):
+        c.observe(64, 200 * MS)  # the other bucket runs meanwhile: bucket 4 goes stale
+    c.observe(4, 100 * MS)
+    assert c(4) <= 56 * MS  # halfway: 55 ms
+    for _ in range(15):  # a real change takes over at the curve's usual pace
+        c.observe(4, 100 * MS)
+    assert c(4) > 80 * MS
+
+
+def test_an_unmeasured_tree_is_not_chosen_on_its_prior() -> None:
+    """Before any tree round is measured the tree is priced at the chain's rates (its sibling gain unproven), so
+    the policy keeps chains; the exploration steps (the configured shape) measure it, and then it may win."""
+    cost = costs(verify=lambda n: 10 * MS + 0.05 * MS * n, draft=lambda n: 0.5 * MS)  # nodes nearly free
+    tree = (3, 1, 1, 1)  # at chain rate 0.6 its independent-siblings prior (1 - 0.4^3 = 0.94) would win
+    p = policy(cost, branching=tree)
+    reqs = requests(4)
+    for r in reqs:
+        teach(p, r, 0.6, seed=r.seq_id, branching=(1, 1, 1, 1))
+    assert all(all(w == 1 for w in s) for s in p.plan(reqs))
+    for r in reqs:
+        teach(p, r, 0.99, seed=50 + r.seq_id, branching=tree)
+    assert p.plan(reqs) == [tree] * 4
+
+
+def test_a_regime_without_measured_rounds_runs_the_configured_depth() -> None:
+    """With no rounds measured the default prior (0.7) makes plain decode look best here; planning from it, the
+    policy would never run a round and never learn that this draft accepts 0.95 (the batch-1 trap measured on
+    the built-in pair). Until ``min_rounds`` rounds of the regime are seen, its requests run the configured depth."""
+    p = policy(costs(verify=lambda n: 10 * MS + 0.6 * MS * n, draft=lambda n: 3.0 * MS))
+    p.cost.draft_call = curve(lambda n: 6 * MS)
+    reqs = requests(1)
+    assert p.plan(reqs) == [(1,) * K_MAX]
+    p.min_rounds = 0
+    assert p.plan(reqs) == [()]  # what the prior alone would choose
+    p.min_rounds = 8
+    p._last.clear()
+    teach(p, reqs[0], 0.97, rounds=10)
+    assert len(p.plan(reqs)[0]) >= 6

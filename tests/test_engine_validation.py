@@ -117,6 +117,7 @@ def test_speculative_config_from_json() -> None:
 
 def test_adaptive_is_opt_in_and_the_batch_size_table() -> None:
     assert not SpeculativeConfig.parse({"model": "d"}).is_adaptive  # opt-in until it beats a fixed depth here
+    assert not SpeculativeConfig.parse({"model": "d", "adaptive": False}).is_adaptive
     assert SpeculativeConfig.parse({"model": "d", "adaptive": True}).is_adaptive
     cfg = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": {"16": 2, "1": 4,
                                                                                         "64": 0}})

@@ -133,8 +133,10 @@ class HF:
 
 
 def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
-               row: Row | None) -> list[list[int]]:
-    """All groups through the engine, one generate call each; statistics of this run go into ``row``."""
+               row: Row | None, seeded: bool = True) -> list[list[int]]:
+    """All groups through the engine, one generate call each; statistics of this run go into ``row``.
+    ``seeded``: fixed seeds per request (reproducible; the adaptive policy keeps seeded sampled requests at the
+    configured depth, so compare it unseeded)."""
     eng = llm.engine
     eng.stats.__init__()
     eng.times.__init__()
@@ -142,7 +144,8 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
         eng.pipeline.stats.__init__()
     outs = []
     for i, group in enumerate(groups):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=1000 * i + j)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                 seed=1000 * i + j if seeded else None)
                   for j in range(len(group))]
         outs += [o.token_ids for o in llm.generate(group, params)]
     if row is None:
@@ -192,6 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="specserve bench compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="default: the built-in target")
     ap.add_argument("--draft", default=None, help="default: the built-in draft")
+    ap.add_argument("--random-shape", default=None, metavar="HIDDEN,LAYERS,VOCAB",
+                    help="a random target of this shape (e.g. 1024,12,32000) and its first layer as the draft, "
+                         "built under --random-dir (timing only; engine/benchmarks/random_pair.py)")
+    ap.add_argument("--random-dir", default=os.path.join("runs", "random-pair"))
     ap.add_argument("--prompts", default=str(DEFAULT_MODELS_DIR / "prompts.jsonl"),
                     help="JSONL with 'prompt' or 'prompt_token_ids' (random prompts when the file is missing)")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per run (reused to fill a larger batch)")
@@ -204,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fixed-ks", default="", help="also fixed chains of these K (modes specserve_k<K>), "
                                                    "e.g. 2,4,6,8")
     ap.add_argument("--temperatures", default="0,0.8")
+    ap.add_argument("--unseeded", action="store_true",
+                    help="sampled requests without seeds (seeded ones keep the configured depth under adaptive)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the tables show medians)")
     ap.add_argument("--modes", default=",".join(HF_MODES + ENGINE_MODES), help="comma-separated subset")
@@ -222,6 +231,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.random_shape:
+        from engine.benchmarks.random_pair import make_random_pair, parse_shape
+
+        args.target, args.draft = make_random_pair(os.path.join(args.random_dir, args.random_shape.replace(",", "x")),
+                                                   *parse_shape(args.random_shape))
+        args.prompts = None  # no tokenizer, another vocabulary: random prompt ids
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
         args.target, args.draft = args.target or t, args.draft or d
@@ -314,7 +329,7 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                             torch.set_num_threads(threads)
                     runs[m] = all_cores_run
                 else:
-                    runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row)
+                    runs[m] = lambda row, m=m, g=groups, t=temp: engine_run(llms[m], g, n, t, row, not args.unseeded)
             for m in runs:  # warm-up, untimed: the first use of a batch shape allocates
                 if m.startswith("hf_"):
                     hf.generate(groups[0], 2, temp, 0, assisted=m != "hf_generate")

@@ -1,0 +1,81 @@
+"""The adaptive policy inside the engine: start-up profiling, and seeded sampled output that does not depend on
+what the policy measured (tiny random checkpoints, in-process workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from scheduler.adaptive import AdaptivePolicy
+from scheduler.cost_model import CostModel, Curve
+from scheduler.sampling_params import SamplingParams
+from tests.conftest import spec
+
+K = 4
+PROMPTS = [[1, 33, 34, 35], [1, 5], [1, 9, 9, 9, 9]]
+MS = 1e-3
+
+
+def _curve(fn) -> Curve:
+    c = Curve()
+    for x in (1, 2, 4, 8, 16, 32, 64, 128):
+        c.observe(x, fn(x))
+    return c
+
+
+def _costs(verify, draft) -> CostModel:
+    return CostModel(verify=_curve(verify), draft=_curve(draft), state=_curve(lambda n: 0.01 * MS))
+
+
+FORCED = {"memory_bound": (lambda n: 10 * MS, lambda n: 0.1 * MS),  # -> the deepest chains
+          "compute_bound": (lambda n: 1 * MS * n, lambda n: 0.5 * MS * n)}  # -> K = 0
+
+
+def _outputs(llama, costs: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], dict]:
+    llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4)
+    policy = llm.engine.scheduler.policy
+    assert isinstance(policy, AdaptivePolicy)
+    policy.cost = _costs(*FORCED[costs])
+    policy.sampled_cost = _costs(*FORCED[costs])
+    monkeypatch.setattr(policy, "observe_step", lambda sample: None)  # the forced costs stay
+    params = [SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True),  # pinned
+              SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True),  # unseeded: adaptive
+              SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]  # greedy: adaptive
+    out = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    depths = llm.engine.stats.as_dict()["chosen_depths"]
+    llm.shutdown()
+    return out, depths
+
+
+def test_seeded_sampled_output_does_not_depend_on_the_measured_costs(llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    deep, deep_depths = _outputs(llama, "memory_bound", monkeypatch)
+    flat, flat_depths = _outputs(llama, "compute_bound", monkeypatch)
+    # The two policies really chose differently: plain decode for the unpinned under linear costs.
+    assert deep_depths != flat_depths and "0" in flat_depths, (deep_depths, flat_depths)
+    assert deep[0] == flat[0]  # seeded, sampled: the configured depth in both
+    assert deep[2] == flat[2]  # greedy: any depth gives the target's argmax
+
+
+def test_without_pinning_the_seeded_output_would_differ(llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: a seeded request planned like the others gets other tokens (so the test above has power)."""
+    monkeypatch.setattr(AdaptivePolicy, "pinned", staticmethod(lambda req: False))
+    deep, _ = _outputs(llama, "memory_bound", monkeypatch)
+    flat, _ = _outputs(llama, "compute_bound", monkeypatch)
+    assert deep[0] != flat[0]
+
+
+def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> None:
+    with LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 5}, block_size=4,
+             max_num_seqs=16) as llm:
+        engine = llm.engine
+        policy = engine.scheduler.policy
+        assert policy.cost.ready and policy.sampled_cost.ready
+        assert len(policy.cost.verify.points) >= 3 and policy.cost.draft_call.ready
+        # Nothing of the dummy sequences remains: statistics, acceptance, requests, the forced shape.
+        assert engine.stats.num_rounds == 0 and engine.times.steps == 0 and not engine.has_unfinished
+        assert policy.acceptance.engine_rates(True, 1) == [0.7] and policy.forced is None
+        assert not engine.scheduler.running and not engine.scheduler.waiting
+        greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    with LLM(llama.target, None, block_size=4) as plain:
+        assert got == [o.token_ids for o in plain.generate(PROMPTS, greedy)]

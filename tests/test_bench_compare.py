@@ -1,0 +1,55 @@
+"""``bench compare`` pieces: the random pair of a given shape (--random-shape), and unseeded sampled runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+from safetensors.torch import load_file
+
+from engine.benchmarks.compare import engine_run
+from engine.benchmarks.compare import main as compare_main
+from engine.benchmarks.random_pair import make_random_pair, parse_shape
+
+
+def test_random_shape_is_checked() -> None:
+    assert parse_shape("1024,12,32000") == (1024, 12, 32000)
+    for bad in ("1024,12", "1024,x,3", "1000,2,10", "0,1,1"):
+        with pytest.raises(ValueError, match="--random-shape"):
+            parse_shape(bad)
+
+
+def test_random_pair_draft_is_the_targets_first_layer(tmp_path) -> None:
+    target, draft = make_random_pair(str(tmp_path), 64, 3, 128)
+    t = load_file(os.path.join(target, "model.safetensors"))
+    d = load_file(os.path.join(draft, "model.safetensors"))
+    assert {k.split(".")[2] for k in d if k.startswith("model.layers.")} == {"0"}
+    assert all((d[k] == t[k]).all() for k in d)  # shared, not re-drawn
+    with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
+        assert json.load(f)["num_hidden_layers"] == 1
+    # bench compare runs on it end to end (adaptive included) and writes its rows.
+    out = tmp_path / "c.json"
+    assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "1",
+                         "--temperatures", "0", "--max-tokens", "4", "--num-prompts", "1", "--repeats", "1",
+                         "--skip-hf", "--skip-floor", "--modes", "specserve_nospec,specserve_adaptive",
+                         "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["mode"] for r in rows} == {"specserve_nospec", "specserve_adaptive"} and all(r["tok_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_unseeded_runs_send_no_seed(seeded: bool) -> None:
+    sent = []
+
+    class FakeLLM:
+        engine = SimpleNamespace(stats=SimpleNamespace(), times=SimpleNamespace(), pipeline=None)
+
+        def generate(self, prompts, params):
+            sent.extend(params)
+            return [SimpleNamespace(token_ids=[1]) for _ in prompts]
+
+    FakeLLM.engine.stats.__init__ = lambda: None
+    engine_run(FakeLLM(), [[[1, 2]], [[3]]], 4, 0.8, None, seeded=seeded)
+    assert [p.seed for p in sent] == ([0, 1000] if seeded else [None, None])
