@@ -154,7 +154,12 @@ class Recovery:
                                          "(SPECSERVE_STEP_TIMEOUT_S)"))
             return
         if ready:
-            self.engine.resume_draft()
+            try:
+                self.engine.resume_draft()
+            except WorkerDiedError as e:  # the replacement died while its cache was refilled: once more
+                del self._restarting["draft"]
+                self.recover(e)
+                return
             del self._restarting["draft"]
             self.stats.recovery_s.append(time.monotonic() - started)
 

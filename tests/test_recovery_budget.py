@@ -39,12 +39,16 @@ class FakeEngine:
         self.executor = executor
         self.lost: list[str] = []
         self.resumed = 0
+        self.refill_dies = False
 
     def lose_worker_state(self, role: str) -> None:
         self.lost.append(role)
 
     def resume_draft(self) -> None:
         self.resumed += 1
+        if self.refill_dies:
+            self.refill_dies = False
+            raise WorkerDiedError("draft", 0, "died while refilled")
 
 
 def test_target_death_drains_the_draft_restarts_the_target_and_requeues() -> None:
@@ -118,3 +122,17 @@ def test_a_draft_that_never_comes_back_ends_in_the_budget_error(monkeypatch: pyt
     now[0] += 101
     with pytest.raises(TooManyRestartsError, match="was not up after"):
         rec.poll()
+
+
+def test_a_draft_that_dies_while_its_cache_is_refilled_is_replaced_again() -> None:
+    # resume_draft talks to the new draft (the refill) outside any step: its death there is one more failure to
+    # recover from, not an error that stops the engine.
+    ex = FakeExecutor(in_flight=[])
+    eng = FakeEngine(ex)
+    rec = Recovery(eng, max_restarts=3, window_s=600)
+    rec.recover(WorkerDiedError("draft", 0, "killed"))
+    ex.ready, eng.refill_dies = True, True
+    rec.poll()  # up; the refill finds it dead: restarted again
+    assert rec.stats.restarts == {"draft": 2} and rec.degraded and "died while refilled" in rec.stats.failures[-1]
+    rec.poll()  # the second replacement is up and refilled
+    assert eng.resumed == 2 and not rec.degraded and len(rec.stats.recovery_s) == 1
