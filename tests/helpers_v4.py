@@ -7,13 +7,12 @@ lower index first) -- the tie rule our engine uses on every path.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from training.stable_topk import stable_indexer_topk
 from workers.compressed_state import SeqState, commit, make_plan
 from workers.models.deepseek_v4 import DeepseekV4ForCausalLM
 from workers.models.deepseek_v4_config import DeepseekV4ModelConfig
@@ -71,22 +70,6 @@ def ours_from_hf(hf_model: Any, dtype: torch.dtype | None = None) -> tuple[Deeps
     sd = hf_model.state_dict()
     model.load_weights((k, v) for k, v in sd.items())
     return model.eval(), cfg
-
-
-def _stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
-    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-
-@contextlib.contextmanager
-def stable_indexer_topk() -> Iterator[None]:
-    """Within the block, ``Tensor.topk`` (the indexer's call; the MoE router calls ``torch.topk``) is stable."""
-    original = torch.Tensor.topk
-    torch.Tensor.topk = _stable_topk  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original  # type: ignore[method-assign]
 
 
 @torch.inference_mode()

@@ -20,14 +20,12 @@ the rule our engine uses on every path. Saved as fp16 safetensors with transform
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from training import data as data_mod  # noqa: E402
 from training.models import CONTEXT  # noqa: E402
+from training.stable_topk import stable_indexer_topk  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -69,23 +68,6 @@ def v4_config(vocab: int, eos_id: int, quick: bool = False) -> Any:
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, **sizes)
     cfg.architectures = ["DeepseekV4ForCausalLM"]
     return cfg
-
-
-def _stable_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
-    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-
-@contextlib.contextmanager
-def stable_indexer_topk() -> Iterator[None]:
-    """Within the block, ``Tensor.topk`` (transformers' indexer; its router calls ``torch.topk``) breaks ties
-    by the lower index, the rule our engine uses; the stock op leaves tie order unspecified."""
-    original = torch.Tensor.topk
-    torch.Tensor.topk = _stable_topk  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = original  # type: ignore[method-assign]
 
 
 def new_model(cfg: Any, seed: int) -> Any:
