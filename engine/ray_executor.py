@@ -19,7 +19,7 @@ from engine.faults import WorkerDiedError, WorkerStuckError
 from engine.frames import FrameAuth, new_secret
 from engine.liveness import POLL_S, LivenessWatch, died_because
 from engine.placement import PlacementPlan, missing_resources, plan_placement
-from engine.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
+from engine.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, code_root, node_ip
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -130,9 +130,33 @@ class RayExecutor:
     def _setup_actors(self, plan: PlacementPlan) -> None:
         """Each role's ranks join their own process group (rank 0's address) and load their shards."""
         roles = [role for role, actors in self._actors.items() if actors]
+        self._check_code(roles)
         setups = {role: self._begin_setup(role, plan) for role in roles}
         for role, refs in setups.items():
             self._finish_setup(role, refs)
+
+    def _check_code(self, roles: list[str]) -> None:
+        """Workers on the controller's machine must run the controller's copy of the code: Ray puts the driver's
+        working directory first on a worker's sys.path, so ``specserve`` (the installed package) started inside a
+        checkout of another version would pair this controller with that checkout's workers, silently (messages
+        still decode; drafts and commits may not mean the same thing on both sides)."""
+        import ray
+
+        here, mine = ray.get_runtime_context().get_node_id(), code_root()
+        hint = "Ray puts the working directory first on its workers' path"
+        for role in roles:
+            try:
+                where = ray.get([a.code.remote() for a in self._actors[role]])
+            except Exception as e:  # a worker of another version may lack ``code``
+                raise RuntimeError(f"the {role} workers could not say where they import specserve from "
+                                   f"({type(e).__name__}): they probably run another copy than this controller "
+                                   f"({mine}); run from {mine} ({hint})") from None
+            for rank, (node, theirs) in enumerate(where):
+                if node == here and theirs != mine:
+                    raise RuntimeError(
+                        f"the {role} worker rank {rank} imports specserve from {theirs}, this controller from {mine}: "
+                        f"run from {mine} ({hint}), or set "
+                        f"PYTHONPATH={theirs} and run `python -m engine.cli` so both use that copy")
 
     def _begin_setup(self, role: str, plan: PlacementPlan) -> list[Any]:
         import ray

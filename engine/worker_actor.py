@@ -90,6 +90,12 @@ class WorkerProcess:
             self.worker = DraftWorker(cfg, tp)
         return device
 
+    def code(self) -> tuple[str, str]:
+        """(node id, the folder this process imported the ``engine`` package from): see ``code_root``."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), code_root()
+
     def describe(self) -> dict[str, Any]:
         """Where this rank landed (placement tests and diagnostics): the placement bundle it holds as Ray
         reports it, so a test can check bundle index == rank rather than trust our own bookkeeping."""
@@ -224,6 +230,15 @@ class WorkerProcess:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def code_root() -> str:
+    """The folder holding the ``engine`` package this process imported. Ray puts the driver's working directory
+    first on its workers' sys.path, so a worker may import another copy of the code than the controller (e.g.
+    ``specserve`` from the editable install, run inside a checkout of another version)."""
+    import engine
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
 
 
 def _bundle_index() -> int | None:
