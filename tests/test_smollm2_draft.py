@@ -26,7 +26,11 @@ def test_quick_stage_builds_a_servable_trimmed_draft(tmp_path) -> None:
     vmap = DraftVocabMap.load(str(out))
     assert vmap is not None and vmap.size == 64 and set(range(3)) <= set(vmap.ids.tolist())  # special ids kept
     stats = json.loads((work / "distill_stats.json").read_text())
-    assert stats["steps"] == 3 and stats["kl_last10"] >= 0
+    assert stats["steps"] == 3 and stats["loss_last10"] >= 0 and stats["labels"] == "soft"
+    smollm2_draft.main(["distill", "--quick", "--labels", "hard", "--target", target, "--work", str(work),
+                        "--out", str(out), "--minutes", "1"])
+    stats = json.loads((work / "distill_stats.json").read_text())
+    assert stats["labels"] == "hard" and stats["steps"] >= 1 and stats["loss_last10"] > 0
     assert os.path.getsize(out / "model.safetensors") < 100_000
 
     prompts = [[1, 40, 41, 42], [1, 70, 3, 99, 100]]
