@@ -33,6 +33,11 @@ def test_quick_stage_builds_a_servable_trimmed_draft(tmp_path) -> None:
     assert stats["labels"] == "hard" and stats["steps"] >= 1 and stats["loss_last10"] > 0
     assert os.path.getsize(out / "model.safetensors") < 100_000
 
+    smollm2_draft.main(["measure", "--quick", "--target", target, "--work", str(work), "--out", str(out),
+                        "--speed-prompts", "2"])
+    m = json.loads((work / "measure.json").read_text())
+    assert m["greedy_identical"] and m["mean_acceptance_length"] >= 1 and m["prompts"] == len(heldout)
+
     prompts = [[1, 40, 41, 42], [1, 70, 3, 99, 100]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(target, None, max_model_len=64).generate(prompts, params)]

@@ -3,6 +3,7 @@
     python -m training.smollm2_draft gen     --minutes 8              # target answers to composed instructions
     python -m training.smollm2_draft init    --vocab 5000 --layers 2  # draft = target's first layers, trimmed head
     python -m training.smollm2_draft distill --minutes 12             # KL(p_target || q_draft) on those answers
+    python -m training.smollm2_draft measure --k 4 --max-tokens 96   # acceptance on held-out instructions
     python -m training.smollm2_draft all --quick --target DIR --work W --out D   # seconds (tests/test_smollm2_draft.py)
 
 Stages (``--work`` holds intermediate files, default runs/smollm2_draft; ``--out`` the draft directory):
@@ -162,11 +163,16 @@ def choose_vocab(rows: list[dict], tok: Any, size: int) -> list[int]:
         counts.update(r["prompt_ids"])
         counts.update(r["answer_ids"])
     ids = list(dict.fromkeys(special))
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+    seen = set(ids)
+    # Then unseen ids in ascending order: a BPE vocabulary numbers its merges roughly by corpus frequency, the
+    # best prior there is for tokens a few thousand answers never showed.
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    for t in ranked + list(range(len(tok))):
         if len(ids) >= size:
             break
-        if t not in ids:
+        if t not in seen:
             ids.append(t)
+            seen.add(t)
     return ids
 
 
@@ -307,10 +313,46 @@ def distill(target: str, work: Path, out: Path, minutes: float, steps: int, batc
     return stats
 
 
+# ------------------------------------------------------------------------------------------------ measure
+def measure(target: str, work: Path, out: Path, k: int, num_prompts: int, max_tokens: int,
+            speed_prompts: int) -> dict:
+    """Mean acceptance length at K = k, greedy, on the held-out instructions (all in one batch); then batch-1
+    decode tokens/s with and without the draft on the first ``speed_prompts`` of them."""
+    from engine import LLM, SamplingParams
+
+    with open(work / "heldout_prompts.jsonl", encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][:num_prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    res: dict[str, Any] = {"k": k, "prompts": len(prompts), "max_tokens": max_tokens}
+    llm = LLM(target, {"model": str(out), "num_speculative_tokens": k}, max_num_seqs=max(1, len(prompts)))
+    t0 = time.perf_counter()
+    spec_out = [o.token_ids for o in llm.generate(prompts, params)]
+    s = llm.engine.stats
+    res.update(mean_acceptance_length=round(s.mean_acceptance_length, 3), rounds=s.num_rounds,
+               acceptance_per_position=[round(a, 3) for a in s.acceptance_per_position],
+               batch_seconds=round(time.perf_counter() - t0, 1))
+    speed: dict[str, float] = {}
+    outs: dict[str, list] = {}
+    plain = LLM(target, None, max_num_seqs=1)
+    for name, engine in (("no_spec", plain), ("spec", llm)):
+        n, t0, outs[name] = 0, time.perf_counter(), []
+        for p in prompts[:speed_prompts]:
+            o = engine.generate([p], params)[0].token_ids
+            outs[name].append(o)
+            n += len(o)
+        speed[name] = round(n / (time.perf_counter() - t0), 2)
+    res["batch1_tokens_per_s"] = speed
+    res["greedy_identical"] = outs["spec"] == outs["no_spec"] and spec_out[:speed_prompts] == outs["no_spec"]
+    llm.shutdown()
+    plain.shutdown()
+    (work / "measure.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["gen", "init", "distill", "all"])
+    ap.add_argument("stage", choices=["gen", "init", "distill", "measure", "all"])
     ap.add_argument("--target", default="smollm2", help="the target: a short name, *.gguf or checkpoint directory")
     ap.add_argument("--work", default=DEFAULT_WORK)
     ap.add_argument("--out", default=DEFAULT_OUT)
@@ -328,6 +370,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="distill: soft = KL to the target's restricted law (a target forward per batch); hard = "
                          "cross-entropy on the target's own next tokens (no target forward: ~5x the tokens per "
                          "CPU second)")
+    ap.add_argument("--k", type=int, default=4, help="measure: draft tokens per round")
+    ap.add_argument("--num-prompts", type=int, default=32, help="measure: held-out prompts")
+    ap.add_argument("--speed-prompts", type=int, default=3, help="measure: prompts timed at batch 1")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="tiny settings: a smoke run of seconds")
     a = ap.parse_args(argv)
@@ -344,6 +389,8 @@ def main(argv: list[str] | None = None) -> None:
             r = gen(a.target, work, a.minutes or 8, a.max_tokens, a.gen_batch, a.limit)
         elif s == "init":
             r = init(a.target, work, out, a.vocab, a.layers)
+        elif s == "measure":
+            r = measure(a.target, work, out, a.k, a.num_prompts, a.max_tokens, a.speed_prompts)
         else:
             r = distill(a.target, work, out, a.minutes or 12, a.steps, a.batch, a.seq_len, a.lr, a.labels)
         print(f"{s}: {json.dumps(r)}", flush=True)
