@@ -132,3 +132,24 @@ def test_a_map_for_another_vocabulary_is_refused(greedy_pair, small_vocab, tmp_p
     with pytest.raises(ValueError, match="vocabulary map"):
         LLM(small_target, spec(draft, k=2))
     assert SMALL_VOCAB < VOCAB
+
+
+def test_smollm2_short_name_takes_its_shipped_draft(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--target smollm2`` speculates with engine/default_models/smollm2-draft when it is shipped; 'none' and an
+    explicit model still win; with no shipped draft it runs without speculation, as before."""
+    import engine.config as config
+    from engine.args import EngineArgs
+    from tests.helpers_gguf import smollm2_path
+
+    gguf = smollm2_path()
+    monkeypatch.setattr(config, "DEFAULT_MODELS_DIR", tmp_path)
+    assert EngineArgs(target="smollm2").to_engine_config().speculative is None  # nothing shipped here
+    (tmp_path / "smollm2-draft").mkdir()
+    (tmp_path / "smollm2-draft" / "config.json").write_text("{}")
+    cfg = EngineArgs(target="smollm2").to_engine_config()
+    assert cfg.target == gguf and cfg.speculative.model == str(tmp_path / "smollm2-draft")
+    assert EngineArgs(target="smollm2", speculative_config='{"num_speculative_tokens": 2}').to_engine_config(
+    ).speculative.model == str(tmp_path / "smollm2-draft")
+    assert EngineArgs(target="smollm2", speculative_config="none").to_engine_config().speculative is None
+    assert EngineArgs(target="smollm2", speculative_config={"model": "smollm2"}).to_engine_config(
+    ).speculative.model == gguf

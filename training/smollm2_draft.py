@@ -117,12 +117,13 @@ def _read_gen(work: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ gen
-def gen(target: str, work: Path, minutes: float, max_tokens: int, batch: int, limit: int | None) -> dict:
+def gen(target: str, work: Path, minutes: float, max_tokens: int, batch: int, limit: int | None,
+        quantization: str | None = None) -> dict:
     from engine import LLM, SamplingParams
 
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    llm = LLM(target, None, max_num_seqs=batch, max_model_len=512)
+    llm = LLM(target, None, max_num_seqs=batch, max_model_len=512, quantization=quantization)
     tok = llm.tokenizer
     prompts = compose_prompts()[:limit]
     heldout = [{"prompt": p, "prompt_token_ids": _chat_ids(tok, p)} for i, p in enumerate(prompts) if is_heldout(i)]
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minutes", type=float, default=None, help="time budget of gen / distill (default 8 / 12)")
     ap.add_argument("--max-tokens", type=int, default=160, help="gen: answer length cap")
     ap.add_argument("--gen-batch", type=int, default=48)
+    ap.add_argument("--quantization", choices=["gguf", "none"], default=None,
+                    help="gen: how the engine runs a GGUF target (default: by the file; 'none' = the same 4-bit "
+                         "weights dequantized to fp32, much faster than the int4 kernel at large batch on CPU)")
     ap.add_argument("--limit", type=int, default=None, help="gen: use only the first N composed prompts")
     ap.add_argument("--vocab", type=int, default=5000, help="init: draft vocabulary size (special tokens incl.)")
     ap.add_argument("--layers", type=int, default=2, help="init: target decoder layers the draft starts from")
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     stages = ["gen", "init", "distill"] if a.stage == "all" else [a.stage]
     for s in stages:
         if s == "gen":
-            r = gen(a.target, work, a.minutes or 8, a.max_tokens, a.gen_batch, a.limit)
+            r = gen(a.target, work, a.minutes or 8, a.max_tokens, a.gen_batch, a.limit, a.quantization)
         elif s == "init":
             r = init(a.target, work, out, a.vocab, a.layers)
         elif s == "measure":
