@@ -228,7 +228,8 @@ def _coverage(rows: list[dict], ids: set[int]) -> float:
 
 # ------------------------------------------------------------------------------------------------ distill
 def _batches(rows: list[dict], batch: int, seq_len: int, rng: random.Random):
-    """Forever: (ids [B, L], answer mask [B, L] marking positions whose NEXT token is an answer token)."""
+    """Forever: (ids [B, L], answer mask [B, L] marking positions whose NEXT token is an answer token, the rows'
+    indices into ``rows``)."""
     while True:
         order = list(range(len(rows)))
         rng.shuffle(order)
@@ -237,8 +238,8 @@ def _batches(rows: list[dict], batch: int, seq_len: int, rng: random.Random):
             for j in order[b: b + batch]:
                 p, a = rows[j]["prompt_ids"], rows[j]["answer_ids"]
                 s = (p + a)[:seq_len]
-                m = [0] * (len(p) - 1) + [1] * len(a)  # position i predicts token i + 1
-                m = (m + [0])[:len(s)]
+                # Position i predicts token i + 1; the last position's next token is not in the (cut) sequence.
+                m = ([0] * (len(p) - 1) + [1] * len(a))[:len(s) - 1] + [0]
                 seqs.append(s)
                 masks.append(m)
             n = max(len(s) for s in seqs)
@@ -247,7 +248,7 @@ def _batches(rows: list[dict], batch: int, seq_len: int, rng: random.Random):
             for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
                 ids[i, :len(s)] = torch.tensor(s)
                 mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
-            yield ids, mask
+            yield ids, mask, order[b: b + batch]
 
 
 def distill(target: str, work: Path, out: Path, minutes: float, steps: int, batch: int, seq_len: int,
@@ -272,15 +273,22 @@ def distill(target: str, work: Path, out: Path, minutes: float, steps: int, batc
     rng = random.Random(0)
     batches = _batches(rows, batch, seq_len, rng)
     losses: list[float] = []
+    cache: dict[int, torch.Tensor] = {}
     step = 0
     budget = minutes * 60
     while step < steps and time.perf_counter() - start < budget:
-        ids, mask = next(batches)  # [B, L]
+        ids, mask, which = next(batches)  # [B, L]
         s_logits = student(local[ids]).logits[mask]  # [M, Vd]
         if teacher is not None:
-            with torch.no_grad():
-                t_logits = teacher(ids).logits[mask]  # [M, Vt] at answer-predicting positions
-                p = torch.softmax(t_logits.index_select(-1, head_ids), dim=-1)  # [M, Vd]: restricted, renormalised
+            # p per row, computed once and cached (fp16): a target forward costs ~15x a draft step, and the
+            # rows come round again every epoch.
+            for i, j in enumerate(which):
+                if j not in cache:
+                    n = int(mask[i].nonzero().max()) + 1  # the row's own length (past it: padding)
+                    with torch.no_grad():
+                        t_logits = teacher(ids[i: i + 1, :n]).logits[0][mask[i, :n]]  # [m, Vt]
+                    cache[j] = torch.softmax(t_logits.index_select(-1, head_ids), dim=-1).half()  # [m, Vd]
+            p = torch.cat([cache[j] for j in which]).float()  # [M, Vd]: restricted to the head, renormalised
             loss = -(p * torch.log_softmax(s_logits, dim=-1)).sum(-1).mean() + (p * p.clamp_min(1e-30).log()).sum(
                 -1).mean()  # KL(p || q) = cross-entropy - entropy
         else:
