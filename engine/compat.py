@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from workers.loader import load_tokenizer
 from workers.model_config import ModelConfig
+from workers.vocab_map import DraftVocabMap
 
 
 def check_draft_compatible(target_dir: str, draft_dir: str, target_config: ModelConfig) -> None:
     dcfg = ModelConfig.from_pretrained(draft_dir)
-    if dcfg.vocab_size > target_config.vocab_size:
+    vmap = DraftVocabMap.load(draft_dir)
+    if vmap is not None:  # a trimmed-vocabulary draft: its map must be over the target's vocabulary
+        if vmap.target_vocab_size != target_config.vocab_size or vmap.size != dcfg.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary map ({vmap.size} ids of a "
+                             f"{vmap.target_vocab_size}-token vocabulary) does not fit a {dcfg.vocab_size}-row "
+                             f"draft for a target of {target_config.vocab_size} tokens")
+    elif dcfg.vocab_size > target_config.vocab_size:
         raise ValueError(f"speculative_config.model: the draft's vocabulary ({dcfg.vocab_size} tokens) is larger "
                          f"than the target's ({target_config.vocab_size}); the draft must share the target's "
                          "tokenizer")

@@ -28,6 +28,19 @@ def builtin_target_name(name: str | None) -> str | None:
     return name.lower() if ok else None  # type: ignore[union-attr]
 
 
+# Drafts the project trained for targets that pip packages install (workers/gguf_loader.py short names): the
+# default draft of ``--target NAME`` when shipped in engine/default_models (training/smollm2_draft.py).
+PACKAGED_DEFAULT_DRAFTS = {"smollm2": "smollm2-draft"}
+
+
+def packaged_default_draft(name: str | None) -> str | None:
+    """The shipped draft directory for a packaged target's short name (not an existing path), else None."""
+    if not isinstance(name, str) or name.lower() not in PACKAGED_DEFAULT_DRAFTS or os.path.exists(name):
+        return None
+    draft = DEFAULT_MODELS_DIR / PACKAGED_DEFAULT_DRAFTS[name.lower()]
+    return str(draft) if (draft / "config.json").is_file() else None
+
+
 def default_model_dirs(target_name: str | None = None) -> tuple[str, str]:
     """The built-in target (``target_name``: a short name of BUILTIN_TARGETS; default: the Llama target) and
     the built-in draft, shipped in engine/default_models; a clear error when one is missing."""

@@ -48,6 +48,7 @@ from workers.sampling import logits_to_probs
 from workers.streams import stream
 from workers.tree_topology import most_probable_path, node_depths, scratch_parents
 from workers.verification import pad_draft_probs
+from workers.vocab_map import DraftVocabMap
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
 
 
@@ -120,10 +121,26 @@ class DraftWorker(WorkerBase):
         # Where the laws of sampled trees go (the verifier's LawStore, or a socket to it); None: nowhere (ranks
         # other than 0).
         self.law_sink: Callable[[list[DraftLaws]], None] | None = None
+        # A trimmed-vocabulary draft (workers/vocab_map.py): its rows are mapped to full-vocabulary ids right
+        # after every forward, so everything below sees full-vocabulary logits with -inf off the map.
+        self.vocab_map = DraftVocabMap.load(self.config.model)
+        if self.vocab_map is not None and self.vocab_map.size != self.model_config.vocab_size:
+            raise ValueError(f"{self.config.model}: the vocabulary map has {self.vocab_map.size} ids but the model "
+                             f"has {self.model_config.vocab_size} rows")
 
     @property
     def vocab_size(self) -> int:
+        if self.vocab_map is not None:
+            return self.config.target_vocab_size or self.vocab_map.target_vocab_size
         return self.config.target_vocab_size or self.model_config.vocab_size
+
+    def _forward(self, pieces: list[SeqForward]) -> torch.Tensor:
+        """The draft's logits at the pieces' logit nodes: [rows, Vd], or [rows, Vt] for a mapped draft."""
+        if self.vocab_map is None:
+            return self.runner.forward(pieces)
+        # Every token fed to a mapped draft (prefix, in-flight, predicted, tree nodes) is a full-vocabulary id.
+        local = [dataclasses.replace(p, token_ids=self.vocab_map.to_local(p.token_ids)) for p in pieces]
+        return self.vocab_map.to_full(self.runner.forward(local))  # [rows, draft rows] -> [rows, Vt]
 
     def drop(self, seq_ids: list[int]) -> None:
         super().drop(seq_ids)
@@ -153,7 +170,7 @@ class DraftWorker(WorkerBase):
             wanted.append(points)
             pieces.append(SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), list(r.tokens),
                                      logit_nodes=points))
-        logits = self.runner.forward(pieces)  # [sum of points, Vd]
+        logits = self._forward(pieces)  # [sum of points, Vd]
         at: list[dict[int, torch.Tensor]] = []
         row = 0
         for points in wanted:
@@ -164,7 +181,7 @@ class DraftWorker(WorkerBase):
         guessed = [(r, rows) for r, rows in zip(reqs, at, strict=True) if r.seq.guesses]
         if guessed:
             pieces = [self._add_guesses(r, rows) for r, rows in guessed]
-            logits = self.runner.forward(pieces)  # [guess nodes, Vd]
+            logits = self._forward(pieces)  # [guess nodes, Vd]
             row = 0
             for (_, rows), piece in zip(guessed, pieces, strict=True):
                 for j in piece.logit_nodes:
@@ -196,7 +213,10 @@ class DraftWorker(WorkerBase):
 
     def _own_ids(self, tokens: list[int]) -> list[int]:
         """Target tokens the draft's vocabulary lacks (a draft vocabulary may be a prefix of the target's) are
-        fed as id 0: the draft's guesses get worse there, verification keeps the output exact."""
+        fed as id 0 (a mapped draft's ids are mapped in ``_forward``, to its fallback row): the draft's guesses
+        get worse there, verification keeps the output exact."""
+        if self.vocab_map is not None:
+            return tokens
         v = self.model_config.vocab_size
         return [t if t < v else 0 for t in tokens]
 
@@ -254,7 +274,7 @@ class DraftWorker(WorkerBase):
                         toks.append(t.tokens[node])
                 pieces.append(SeqForward(r.seq.block_table, r.seq.base_len, list(r.parents), toks, new_start=first,
                                          logit_nodes=list(range(first, len(r.parents)))))
-            logits = self.runner.forward(pieces)  # [sum of frontier sizes, Vd]
+            logits = self._forward(pieces)  # [sum of frontier sizes, Vd]
             row = 0
             for i, piece in zip(live, pieces, strict=True):
                 n = len(piece.logit_nodes)
