@@ -125,7 +125,9 @@ def prompts_and_reference() -> tuple[list[str], list[list[int]]]:
 
 
 @pytest.mark.slow
-def test_greedy_with_speculation_at_tp_2_4_8_equals_tp1_without(prompts_and_reference) -> None:
+def test_greedy_with_speculation_at_tp_8_equals_tp1_without(prompts_and_reference) -> None:
+    # TP 8 only through the engine (the widest split, ~half this test's time at 2, 4 and 8): the forked Gloo test
+    # above checks the real weights' logits at 2, 4 and 8, and tests/test_ray_executor.py the engine at TP 2 and 4.
     import ray
 
     prompts, ref = prompts_and_reference
@@ -134,7 +136,7 @@ def test_greedy_with_speculation_at_tp_2_4_8_equals_tp1_without(prompts_and_refe
     # 16 CPUs declared: 8 target ranks + 1 draft actor fit on a 2-core machine (they are mostly idle).
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        for tp in (2, 4, 8):
+        for tp in (8,):
             start = time.monotonic()
             # Speculation on, so the ranks run tree/chain verification forwards, not just decode steps.
             llm = LLM(str(TARGET), {"model": str(DRAFT), "num_speculative_tokens": 3, "adaptive": False},
