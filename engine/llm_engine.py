@@ -149,7 +149,7 @@ class LLMEngine:
             token_ids = list(prompt)
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = _out_of_vocab(token_ids, self.vocab_size)
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         request_id = str(request_id)
@@ -421,6 +421,9 @@ class LLMEngine:
                              req.finished, req.stats.as_dict())
 
 
+def _out_of_vocab(token_ids: list, vocab_size: int) -> list:
+    """The entries that are not token ids of this vocabulary (bools and non-integers included)."""
+    return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
 
 
 def _resume(req: Request, checker: StopChecker, output: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -428,7 +431,7 @@ def _resume(req: Request, checker: StopChecker, output: list[int], vocab_size: i
     a preempted request) and its detokenizer replays the output, so the text it sends next is exactly what
     follows the text already sent (nothing repeated, stop strings still found across the seam)."""
     out = list(output)
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in out):
+    if _out_of_vocab(out, vocab_size):
         raise ValueError(f"output_token_ids: outside the vocabulary [0, {vocab_size})")
     if len(out) >= req.params.max_tokens or len(req.prompt_token_ids) + len(out) >= max_model_len:
         raise ValueError(f"output_token_ids: {len(out)} tokens already reach the request's limit "
