@@ -37,7 +37,7 @@ from engine.faults import WorkerDiedError, WorkerStuckError
 from engine.frames import FrameAuth, new_secret
 from engine.liveness import POLL_S
 from engine.worker_actor import OP_STEP, OP_STOP, WorkerProcess
-from workers.law_channel import LawStore
+from workers.law_channel import LawStore, first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -62,7 +62,7 @@ class DraftProcessExecutor:
 
     Recovery (engine/recovery.py), for the draft only: a dead child is replaced by a new one (``begin_restart``,
     which does not wait for it to load; ``finish_restart``) while the engine decodes without speculation. Child
-    ``g`` (its generation, from 1) numbers its trees from ``(g - 1) << 40`` and tags its replies ``draft/g``, so
+    ``g`` (its generation, from 1) numbers its trees from ``first_tree_id(g)`` and tags its replies ``draft/g``, so
     its death fails only the verifier's waits for its own trees and a reply it left behind answers nothing later.
     The target dies with this process: there is nothing to restart apart from the engine.
     """
@@ -117,7 +117,7 @@ class DraftProcessExecutor:
             proc.stdin.write(json.dumps({
                 "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(),
                 "controller": self._reply_addr, "laws": self._laws, "cores": self._dcores,
-                "tag": self._tag().decode(), "first_tree_id": (self._gen - 1) << 40}) + "\n")
+                "tag": self._tag().decode(), "first_tree_id": first_tree_id(self._gen)}) + "\n")
             proc.stdin.close()
         # A draft that dies between its reply and its laws must not leave verification waiting 600 s.
         threading.Thread(target=self._watch, args=(proc, self._gen, self.target.law_store),
@@ -129,8 +129,8 @@ class DraftProcessExecutor:
     def _watch(self, proc: subprocess.Popen, gen: int, store: LawStore) -> None:
         code = proc.wait()
         if self._host is not None and not self._host._stop.is_set():
-            # Only the trees this generation numbered (below gen << 40): the next one's laws are still taken.
-            store.fail(f"the draft process exited (code {code})", gen << 40)
+            # Only the trees this generation numbered: the next generation's laws are still taken.
+            store.fail(f"the draft process exited (code {code})", first_tree_id(gen + 1))
 
     def _died(self, what: str, waited_s: float | None = None) -> WorkerDiedError:
         return WorkerDiedError("draft", 0, f"the draft process exited{what} (code {self._proc.poll()})", waited_s)

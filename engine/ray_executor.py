@@ -20,6 +20,7 @@ from engine.frames import FrameAuth, new_secret
 from engine.liveness import POLL_S, LivenessWatch, died_because
 from engine.placement import PlacementPlan, missing_resources, plan_placement
 from engine.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, code_root, node_ip
+from workers.law_channel import first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -180,7 +181,7 @@ class RayExecutor:
         target, draft = self._actors["target"][0], self._actors["draft"][0]
         nodes = {w["node_id"] for w in ray.get([target.describe.remote(), draft.describe.remote()])}
         address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
-        ray.get(draft.connect_laws.remote(address, (self._generation["draft"] - 1) << 40))
+        ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation["draft"])))
         self.endpoints["laws"] = [address]
 
     def _connect(self, role: str) -> None:
@@ -309,9 +310,9 @@ class RayExecutor:
             self._liveness.check("draft", waited_s)
         except WorkerDiedError as e:
             self._law_sender_died = e
-            # Generation g numbers its trees from (g - 1) << 40 (``_connect_laws``): every id below g << 40.
+            # Every tree this generation (or an older one) numbered: below the next generation's first id.
             self._actors["target"][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
-                                                       self._generation["draft"] << 40)
+                                                       first_tree_id(self._generation["draft"] + 1))
 
     def submit_draft(self, msg: DraftStep) -> None:
         self._submit("draft", codec.encode(msg))

@@ -30,6 +30,13 @@ import torch
 LAW_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
 
+def first_tree_id(generation: int) -> int:
+    """The first tree id a draft of this generation (1, 2, ... — a replacement is the next one) numbers its trees
+    from: generations never share ids, so ``LawStore.fail(below=first_tree_id(g + 1))`` fails only generation
+    g's (and older) trees while a replacement's laws go on arriving."""
+    return (generation - 1) << 40
+
+
 class LawsUnavailable(RuntimeError):
     """The laws of a tree being verified will not come: their sender died, or (last resort) never sent them."""
 
