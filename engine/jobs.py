@@ -19,6 +19,7 @@ nested JSON) or whose method/url/body is wrong becomes an error-file row for tha
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -101,6 +102,25 @@ class JobStore:
         self.db_path = self.root / "jobs.sqlite3"
         self._local = threading.local()
         self._db().executescript(_SCHEMA)
+
+    def claim(self) -> None:
+        """Make this process the data directory's only server, for as long as it lives.
+
+        Two servers on one directory would both run its batch jobs (each request twice, the output file written
+        by whichever finishes last). The lock is an OS file lock, so a killed server leaves nothing to clean up.
+        """
+        path = self.root / "server.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RuntimeError(f"--data-dir {self.root} is in use by another specserve server (pid {holder}); "
+                               "give each server its own --data-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # held open (and locked) until the process exits
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)

@@ -259,3 +259,23 @@ def test_list_paginates_newest_first_and_files_can_be_deleted(tmp_path: Path) ->
     assert [b["id"] for b in page] == ids[::-1][2:] and not more
     with pytest.raises(InvalidRequestError, match="still running"):
         store.delete_file(fid)
+
+
+def test_one_server_per_data_directory(tmp_path: Path) -> None:
+    """A second server on a data directory in use is refused by name (both would run its jobs); a dead one frees it."""
+    import os
+    import subprocess
+    import sys
+
+    first = JobStore(tmp_path)
+    first.claim()
+    second = JobStore(tmp_path)
+    with pytest.raises(RuntimeError, match=rf"--data-dir .* in use by another specserve server \(pid {os.getpid()}\)"):
+        second.claim()
+    # The CLI refuses before any model loads: a clean one-line error, exit 2, no traceback.
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "in use by another specserve server" in proc.stderr and "Traceback" not in proc.stderr
+    os.close(first._lock_fd)  # the holder's process ends: the OS drops its lock
+    second.claim()

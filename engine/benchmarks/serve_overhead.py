@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -79,7 +80,8 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def start_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-queue", "1024", *flags]
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--max-queue", "1024",
+           "--data-dir", tempfile.mkdtemp(prefix="specserve-bench-"), *flags]  # not a running server's job store
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     box: list[str] = []

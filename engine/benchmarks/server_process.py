@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -29,6 +30,8 @@ def serve_command(engine_args: list[str], prefix: list[str] | None = None) -> li
     args = list(engine_args)
     if "--port" not in args:
         args += ["--port", "0"]
+    if prefix is None and "--data-dir" not in args:  # its own job store: a running server may hold the default one
+        args += ["--data-dir", tempfile.mkdtemp(prefix="specserve-bench-")]
     return [*(prefix or [sys.executable, "-m", "engine.cli", "serve"]), *args]
 
 

@@ -92,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.server.batches import batch_router
 
     job_store = JobStore(args.data_dir or default_data_dir())  # an unusable data dir fails before the model loads
+    job_store.claim()  # a second server on the same directory is refused here, before its model loads
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine(config)
