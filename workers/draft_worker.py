@@ -143,7 +143,6 @@ class DraftWorker(WorkerBase):
         return self.vocab_map.to_full(self.runner.forward(local))  # [rows, draft rows] -> [rows, Vt]
 
     def drop(self, seq_ids: list[int]) -> None:
-        super().drop(seq_ids)
         for s in seq_ids:
             self._scratch.pop(s, None)
 

@@ -52,7 +52,6 @@ class TargetWorker(WorkerBase):
         """Every tensor-parallel rank runs the forward; rank 0 samples and verifies, then tells the others
         which paths to commit (each rank holds its own heads' KV)."""
         start = time.perf_counter()
-        self.drop(msg.finished)
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]

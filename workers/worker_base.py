@@ -1,4 +1,4 @@
-"""Shared by the draft and target workers: model + cache construction and per-request generators."""
+"""Shared by the draft and target workers: model + cache construction."""
 
 from __future__ import annotations
 
@@ -41,22 +41,6 @@ class WorkerBase:
         else:
             self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads_per_rank(tp_size), mc.head_dim,
                                       config.num_blocks, config.block_size, dtype, self.device)
-        self._generators: dict[int, torch.Generator] = {}
-
-    def generator(self, seq_id: int, spec: SamplingSpec, salt: int = 0) -> torch.Generator | None:
-        """A seeded request gets its own stream, so its draws do not depend on the rest of the batch."""
-        if spec.seed is None:
-            return None
-        gen = self._generators.get(seq_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed((spec.seed ^ salt) & 0xFFFF_FFFF_FFFF_FFFF)
-            self._generators[seq_id] = gen
-        return gen
-
-    def drop(self, seq_ids: list[int]) -> None:
-        for s in seq_ids:
-            self._generators.pop(s, None)
 
 
 def prefill_forward(p: PrefillSeq, want_logits: bool) -> SeqForward:
