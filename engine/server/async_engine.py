@@ -39,83 +39,23 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.server.health import Health, RestartBudget, read_restoring
 from engine.server.metrics import EngineStats, ServerMetrics, read_engine_stats
+from engine.server.streams import (
+    ACCEPTED,
+    STOP,
+    AbortCommand,
+    AddCommand,
+    EngineUnavailableError,
+    LiveRequest,
+    QueueFullError,
+    RequestStream,
+    RequestTiming,
+)
 
 logger = logging.getLogger("specserve.server")
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting; retry after ``retry_after_s``."""
-
-    def __init__(self, waiting: int, max_queue: int, retry_after_s: float) -> None:
-        super().__init__(f"server overloaded: {waiting} requests waiting (max_queue={max_queue}); retry later")
-        self.retry_after_s = retry_after_s
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine loop is not running (stopped, restarting, or a step failed and it could not be restarted)."""
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: Any  # SamplingParams
-    arrival: float  # time.monotonic() at the front end
-    priority: int = 0  # lower is admitted first: batch jobs (engine/batch_runner.py) use 1
-
-
-@dataclass
-class _Live:
-    """An admitted, unfinished request as the loop thread knows it: enough to re-admit it to a new engine."""
-
-    add: _Add
-    output_token_ids: list[int]  # what its stream has been sent
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_STOP = object()
-_ACCEPTED = object()  # first item of every stream: the engine took the request
-
-
-@dataclass
-class _Timing:
-    """Per-request times kept on the loop thread for the latency histograms."""
-
-    arrival: float
-    first: float | None = None
-    last: float | None = None
-
-
-class RequestStream:
-    """The deltas of one request, in order; ends after the delta with ``finished=True``."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()  # bounded by the request's own max_tokens
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
 
 
 class AsyncEngine:
@@ -169,7 +109,7 @@ class AsyncEngine:
         self._stopped = True
         if self._thread is None:
             return
-        self._inbox.put(_STOP)
+        self._inbox.put(STOP)
         self._wake.set()  # a restart's backoff ends now
         await asyncio.to_thread(self._thread.join, timeout_s)
         self._fail_all(EngineUnavailableError("the server is shutting down"))
@@ -237,7 +177,7 @@ class AsyncEngine:
             raise QueueFullError(waiting, self.max_queue, self.retry_after_s)
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
+        self._inbox.put(AddCommand(request_id, prompt, params, time.monotonic() if arrival is None else arrival,
                              priority))
         try:
             ack = await stream.queue.get()
@@ -263,7 +203,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             stream.finished = True
-            self._inbox.put(_Abort(request_id))
+            self._inbox.put(AbortCommand(request_id))
 
     def _dispatch(self, items: list[tuple[str, Any]]) -> None:
         """On the event loop: hand each item to its stream (an aborted request's late deltas are dropped)."""
@@ -274,7 +214,7 @@ class AsyncEngine:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            if item is _ACCEPTED:
+            if item is ACCEPTED:
                 stream.queue.put_nowait(item)
                 continue
             if isinstance(item, BaseException) or item.finished:
@@ -308,8 +248,8 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        timings: dict[str, _Timing] = {}
-        live: dict[str, _Live] = {}
+        timings: dict[str, RequestTiming] = {}
+        live: dict[str, LiveRequest] = {}
         try:
             while True:
                 try:
@@ -325,7 +265,7 @@ class AsyncEngine:
             self._restarting = None
             self._shutdown_engine()
 
-    def _serve(self, timings: dict[str, _Timing], live: dict[str, _Live]) -> None:
+    def _serve(self, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> None:
         """Step the current engine until told to stop (returns) or a step fails (raises)."""
         engine = self._engine
         while True:
@@ -336,7 +276,7 @@ class AsyncEngine:
                     cmds.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            if any(c is _STOP for c in cmds):
+            if any(c is STOP for c in cmds):
                 return
             out = [self._apply(engine, c, timings, live) for c in cmds]
             if engine.has_unfinished:
@@ -364,7 +304,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("engine shutdown failed")
 
-    def _restart(self, err: BaseException, timings: dict[str, _Timing], live: dict[str, _Live]) -> bool:
+    def _restart(self, err: BaseException, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> bool:
         """Replace a failed engine and re-admit the open requests; False when that is not allowed or failed
         ``max_engine_restarts`` times within the window (the caller then fails every stream)."""
         if self._factory is None or self._stopped or isinstance(err, (KeyboardInterrupt, SystemExit)):
@@ -403,7 +343,7 @@ class AsyncEngine:
         logger.warning("engine restarted after a failed step; %d open request(s) re-admitted", len(live))
         return True
 
-    def _readmit(self, engine: Any, timings: dict[str, _Timing], live: dict[str, _Live]) -> None:
+    def _readmit(self, engine: Any, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> None:
         """Every open request into the new engine from its tokens so far; one that cannot be resumed ends with
         a clear error (never a traceback)."""
         failed: list[tuple[str, Any]] = []
@@ -428,9 +368,9 @@ class AsyncEngine:
                     "send it again")))
         self._post(failed)
 
-    def _apply(self, engine: Any, cmd: Any, timings: dict[str, _Timing],
-               live: dict[str, _Live]) -> tuple[str, Any] | None:
-        if isinstance(cmd, _Abort):
+    def _apply(self, engine: Any, cmd: Any, timings: dict[str, RequestTiming],
+               live: dict[str, LiveRequest]) -> tuple[str, Any] | None:
+        if isinstance(cmd, AbortCommand):
             live.pop(cmd.request_id, None)
             timing = timings.pop(cmd.request_id, None)
             if engine.abort_request(cmd.request_id) and timing is not None and self.metrics is not None:
@@ -444,11 +384,11 @@ class AsyncEngine:
             if not isinstance(e, ValueError):
                 logger.exception("add_request failed for %s", cmd.request_id)
             return cmd.request_id, e
-        timings[cmd.request_id] = _Timing(cmd.arrival)
-        live[cmd.request_id] = _Live(cmd, [])
-        return cmd.request_id, _ACCEPTED
+        timings[cmd.request_id] = RequestTiming(cmd.arrival)
+        live[cmd.request_id] = LiveRequest(cmd, [])
+        return cmd.request_id, ACCEPTED
 
-    def _observe(self, d: Any, timings: dict[str, _Timing], now: float, live: dict[str, _Live]) -> bool:
+    def _observe(self, d: Any, timings: dict[str, RequestTiming], now: float, live: dict[str, LiveRequest]) -> bool:
         """Latency metrics of one delta, and its tokens noted for a restart; False for a request that was aborted
         (nobody reads it)."""
         t = timings.get(d.request_id)
