@@ -116,7 +116,8 @@ def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path, rule: str) -> None:
 @pytest.mark.parametrize("branching", [None, [2, 2, 1]], ids=["chain4", "tree221"])
 def test_pipelined_speculation_equals_oracle(v4, branching) -> None:
     target, draft, expected = v4
-    got, engine = _generate(target, {**spec(draft, 4 if branching is None else None, branching), "pipeline": True})
+    got, engine = _generate(target, {**spec(draft, 4 if branching is None else None, branching), "pipeline": True,
+                                     "pipeline_switch": False})
     assert got == expected
     assert engine.pipeline is not None and engine.pipeline.stats.predrafted > 0
 
@@ -158,7 +159,7 @@ def test_pipelined_v4_draft_rolls_its_state_back(v4) -> None:
     """Pipelined, the draft commits predicted tokens and the engine may then take the last back (base_len below
     the committed position): the runner undoes its last commit and keeps the head."""
     target, _, expected = v4
-    got, engine = _generate(target, {**spec(target, 3), "pipeline": True})
+    got, engine = _generate(target, {**spec(target, 3), "pipeline": True, "pipeline_switch": False})
     assert got == expected
     assert engine.pipeline is not None and engine.pipeline.stats.hits > 0
     assert workers(engine)[1].runner.rollbacks > 0

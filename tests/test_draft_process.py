@@ -46,8 +46,8 @@ def test_outputs_identical_with_the_draft_in_its_own_process(llama, params):
     before = os.sched_getaffinity(0)
     cfg = spec(llama.perturbed, branching=[2, 1, 1])
     off, _ = _run(llama.target, cfg, params)
-    on, stats = _run(llama.target, {**cfg, "pipeline": True, "pipeline_width": 3, "draft_process": True,
-                                    **PINNED}, params)
+    on, stats = _run(llama.target, {**cfg, "pipeline": True, "pipeline_switch": False, "pipeline_width": 3,
+                                    "draft_process": True, **PINNED}, params)
     assert on == off
     assert 0 < stats["hits"] <= stats["predrafted_rounds"]  # the pre-drafted trees came from the child
     assert os.sched_getaffinity(0) == before  # pinned for the target's forwards only
@@ -61,7 +61,7 @@ def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
     # SIGKILL the child mid-job: noticed at once, the engine decodes greedy requests without speculation while a
     # new child loads, holds the seeded sampled ones (their tokens depend on the draft's trees), then speculates
     # again; every output is as without the fault.
-    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True}
+    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_switch": False}
     params = [GREEDY] * len(PROMPTS) + [SEEDED] * len(PROMPTS)
     with LLM(llama.target, speculative_config=cfg) as llm:  # the reference: the draft in a thread, no fault
         reference = [o.token_ids for o in llm.generate(PROMPTS + PROMPTS, params)]

@@ -1,0 +1,53 @@
+"""The choice between pipelined and sequential steps (engine/pipeline_switch.py), on synthetic step costs."""
+
+from __future__ import annotations
+
+from engine.pipeline_switch import PIPELINED, SEQUENTIAL, PipelineSwitch, regime
+
+
+def _drive(sw: PipelineSwitch, key, cost: dict[bool, float], steps: int) -> list[bool]:
+    """Run ``steps`` steps whose seconds per token are ``cost[mode]``; the modes chosen."""
+    modes, last = [], None
+    for _ in range(steps):
+        m = sw.choose(key)
+        sw.observe(key, m, m == last, cost[m] * 3, 3)
+        modes.append(m)
+        last = m
+    return modes
+
+
+def test_regime_buckets():
+    assert [regime(False, b)[1] for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert regime(True, 1) != regime(False, 1)
+
+
+def test_turns_pipelining_off_where_it_cannot_pay_and_on_where_it_does():
+    sw = PipelineSwitch()
+    key = regime(False, 8)
+    modes = _drive(sw, key, {PIPELINED: 1.3, SEQUENTIAL: 1.0}, 200)
+    # After learning both, sequential; the pipelined steps left are the learning and the exploration bursts.
+    assert modes[-1] is SEQUENTIAL and sum(modes[20:]) / len(modes[20:]) < 0.12
+    # Pipelining becomes cheaper: an exploration burst notices and the regime turns it back on.
+    modes = _drive(sw, key, {PIPELINED: 0.7, SEQUENTIAL: 1.0}, 100)
+    assert modes[-1] is PIPELINED and sum(modes[-20:]) >= 17
+    # Another regime is learned apart.
+    assert _drive(sw, regime(True, 1), {PIPELINED: 0.8, SEQUENTIAL: 1.0}, 60)[-1] is PIPELINED
+
+
+def test_hysteresis_near_equal_modes_do_not_flap():
+    sw = PipelineSwitch()
+    key = regime(False, 1)
+    cost = {PIPELINED: 1.0, SEQUENTIAL: 1.0}
+    modes = []
+    for i in range(300):  # alternating +-2 % noise: within the margin
+        cost = {PIPELINED: 1.0 + (0.02 if i % 2 else -0.02), SEQUENTIAL: 1.0 + (-0.02 if i % 2 else 0.02)}
+        modes += _drive(sw, key, cost, 1)
+    g = sw._regimes[key]
+    assert g.switches == 0 and g.mode is PIPELINED
+
+
+def test_disabled_is_always_pipelined_and_force_overrides():
+    sw = PipelineSwitch(enabled=False)
+    assert all(_drive(sw, regime(False, 8), {PIPELINED: 9.0, SEQUENTIAL: 1.0}, 50))
+    sw = PipelineSwitch(force=lambda i: i % 2 == 0)
+    assert _drive(sw, regime(False, 8), {PIPELINED: 1.0, SEQUENTIAL: 1.0}, 4) == [True, False, True, False]
