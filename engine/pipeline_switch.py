@@ -19,10 +19,13 @@ Only *steady* steps count: a step whose previous step ran the same mode (the fir
 sequential one has no pre-drafted tree yet, the first sequential one after a pipelined one still uses the
 pre-drafted trees). Steps with prompt chunks are not counted (their time is mostly prefill).
 
-Policy per regime: first ``min_samples`` steady steps of each mode (pipelined first), then the cheaper mode;
-every ``explore_every`` steps a short burst of the other mode keeps its estimate fresh; the engine switches only
-when the other mode is cheaper by ``margin`` (hysteresis, so near-equal modes do not flap). A new regime starts
-from the nearest learned regime of the same kind (its estimates and mode) and explores early.
+Policy per regime: first ``min_samples`` steady steps sequential (the mode that cannot cost a core), then
+pipelined ones, cut short once a steady pipelined step costs ``give_up`` times the sequential cost per token;
+then the cheaper mode (sequential on a tie). A short burst of the other mode keeps its estimate fresh, every
+``explore_every`` steps or more rarely, so that exploring a mode that costs r times the chosen one spends at most
+``explore_budget`` of the time: ``explore_steps * (r - 1) / interval <= explore_budget``. The engine switches
+only when the other mode is cheaper by ``margin`` (hysteresis, so near-equal modes do not flap). Each regime
+learns for itself: the modes' ratio changes with the batch size (all of a batch must hit to skip a re-draft).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class _Cost:
 @dataclass
 class _Regime:
     cost: dict[bool, _Cost] = field(default_factory=lambda: {PIPELINED: _Cost(), SEQUENTIAL: _Cost()})
-    mode: bool = PIPELINED  # what it runs outside learning and exploration
+    mode: bool = SEQUENTIAL  # what it runs outside learning and exploration
     since_explore: int = 0
     explore_left: int = 0  # steps of the other mode still to run
     switches: int = 0
@@ -73,8 +76,10 @@ class _Regime:
 class PipelineSwitch:
     enabled: bool = True  # False: every step pipelined
     min_samples: int = 3  # steady steps of each mode before the first choice
-    explore_every: int = 32  # steps in the chosen mode between bursts of the other
+    give_up: float = 1.3  # ... unless a pipelined one already costs this many times a sequential one
+    explore_every: int = 32  # steps in the chosen mode between bursts of the other, at least
     explore_steps: int = 3  # a burst: one transition step, then measured ones
+    explore_budget: float = 0.03  # the share of time exploring may cost
     margin: float = 0.05  # switch only when the other mode is this much cheaper per token
     keep: float = 0.8  # decay of a mode's sums per sample of it
     age: float = 0.97  # ... and per sample of the other mode: a rarely run mode's old steps fade meanwhile
@@ -93,11 +98,14 @@ class PipelineSwitch:
         if g.explore_left > 0:
             g.explore_left -= 1
             return not g.mode
-        for m in (PIPELINED, SEQUENTIAL):  # learn both before choosing
-            if g.cost[m].samples < self.min_samples:
-                return m
+        seq, pipe = g.cost[SEQUENTIAL], g.cost[PIPELINED]
+        if seq.samples < self.min_samples:  # learn both before choosing, the safe one first
+            return SEQUENTIAL
+        if pipe.samples < self.min_samples and not (pipe.samples and pipe.per_token() > self.give_up
+                                                    * seq.per_token()):
+            return PIPELINED
         g.since_explore += 1
-        if g.since_explore >= self.explore_every:
+        if g.since_explore >= self._interval(g):
             g.since_explore = 0
             g.explore_left = self.explore_steps - 1
             return not g.mode
@@ -117,18 +125,15 @@ class PipelineSwitch:
             g.since_explore = 0
             g.switches += 1
 
+    def _interval(self, g: _Regime) -> float:
+        """Steps between exploration bursts: rarer the costlier the other mode is measured to be."""
+        cur, other = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
+        if not cur or other is None:
+            return self.explore_every
+        return max(self.explore_every, self.explore_steps * (other / cur - 1) / self.explore_budget)
+
     def _regime(self, key: Regime) -> _Regime:
-        g = self._regimes.get(key)
-        if g is None:
-            near = sorted((k for k in self._regimes if k[0] == key[0]), key=lambda k: abs(k[1] - key[1]))
-            g = _Regime()
-            if near:  # start from the nearest learned regime: its estimates (per-token ratios) and its mode
-                src = self._regimes[near[0]]
-                g.cost = {m: _Cost(c.seconds, c.tokens, c.samples) for m, c in src.cost.items()}
-                g.mode = src.mode
-                g.since_explore = self.explore_every // 2  # ... checked early
-            self._regimes[key] = g
-        return g
+        return self._regimes.setdefault(key, _Regime())
 
     def as_dict(self) -> dict:
         """Per regime: ms per emitted token of each mode, the chosen mode, how often it switched."""

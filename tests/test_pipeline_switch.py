@@ -36,6 +36,16 @@ def test_turns_pipelining_off_where_it_cannot_pay_and_on_where_it_does():
     assert _drive(sw, regime(True, 1), {PIPELINED: 0.8, SEQUENTIAL: 1.0}, 60)[-1] is PIPELINED
 
 
+def test_exploring_a_much_costlier_mode_spends_little_time():
+    sw = PipelineSwitch()
+    key = regime(True, 8)
+    cost = {PIPELINED: 3.0, SEQUENTIAL: 1.0}
+    modes = _drive(sw, key, cost, 1000)
+    assert modes[:3] == [SEQUENTIAL] * 3 and sum(modes[:10]) <= 2  # learning gave up after one steady step
+    spent = [cost[m] for m in modes[10:]]
+    assert sum(c for c, m in zip(spent, modes[10:], strict=True) if m) / sum(spent) < 2.5 * sw.explore_budget
+
+
 def test_hysteresis_near_equal_modes_do_not_flap():
     sw = PipelineSwitch()
     key = regime(False, 1)
@@ -46,7 +56,7 @@ def test_hysteresis_near_equal_modes_do_not_flap():
         sw.observe(key, m, m == last, 3 * rng.uniform(0.97, 1.03), 3)
         last = m
     g = sw._regimes[key]
-    assert g.switches == 0 and g.mode is PIPELINED
+    assert g.switches == 0 and g.mode is SEQUENTIAL  # the tie goes to the mode that costs no core
 
 
 def test_disabled_is_always_pipelined_and_force_overrides():
