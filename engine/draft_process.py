@@ -119,7 +119,6 @@ class DraftProcessExecutor:
             proc.stdin.write(json.dumps({
                 "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(),
                 "controller": self._reply_addr, "laws": self._laws, "cores": self._dcores,
-                "all_cores": sorted(set(self._dcores) | self._tcores) if self._dcores and self._tcores else None,
                 "tag": self._tag().decode(), "first_tree_id": first_tree_id(self._gen)}) + "\n")
             proc.stdin.close()
         # A draft that dies between its reply and its laws must not leave verification waiting 600 s.
@@ -294,21 +293,6 @@ def _read_line(proc: subprocess.Popen, box: list[str]) -> None:
         box.append("")
 
 
-def _widen_when_alone(host: WorkerProcess, own: set[int], both: set[int]) -> None:
-    """A call the controller waits for with the target idle (``DraftStep.alone``: a sequential step's draft, a
-    re-draft) runs on both roles' cores; a pre-draft beside verification keeps to the draft's own."""
-    worker, step = host.worker, host.worker.step
-
-    def step_on_free_cores(msg):
-        cores = both if getattr(msg, "alone", False) else own
-        if os.sched_getaffinity(0) != cores:  # this thread only: the serving thread runs the forwards
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(cores))
-        return step(msg)
-
-    worker.step = step_on_free_cores
-
-
 # ------------------------------------------------------------------------------------------------- the child
 def _main() -> None:
     start = json.loads(sys.stdin.readline())
@@ -323,8 +307,6 @@ def _main() -> None:
     host = WorkerProcess("draft", config, 0, 1, bytes.fromhex(start["secret"]))
     host.setup("127.0.0.1", 0, use_gpu=config.device.startswith("cuda"))  # the same GPU as the target (cuda:0)
     host.connect_laws(start["laws"], start["first_tree_id"])  # its generation's tree ids: see the executor
-    if start.get("all_cores"):
-        _widen_when_alone(host, set(cores), set(start["all_cores"]))
     endpoint = host.serve(start["controller"], True, start["tag"].encode())
     print(json.dumps({"endpoint": endpoint}), flush=True)
     os.dup2(2, 1)  # nobody reads the pipe after this line: anything printed later must not fill it and block

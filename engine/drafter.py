@@ -72,9 +72,7 @@ class DraftCalls:
         return self.executor.wait_draft()
 
     def run(self, msg: DraftStep) -> DraftStepOutput:
-        """A call the controller waits for: its worker time counts as the step's draft time. The target is idle
-        meanwhile, so a draft on cores of its own may use the target's too."""
-        msg.alone = True
+        """A call the controller waits for: its worker time counts as the step's draft time."""
         self.submit(msg)
         out = self.wait()
         self.times.draft_s += out.elapsed_s

@@ -123,9 +123,6 @@ class DraftStep:
     prefills: list[PrefillSeq] = field(default_factory=list)  # chunks to cache, no logits needed
     seqs: list[DraftSeq] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)  # seq ids finished or preempted: drop their state
-    # The controller waits for this call with the target idle (not a pre-draft beside verification): a draft
-    # pinned to cores of its own may use the target's too (engine/draft_process.py).
-    alone: bool = False
 
 
 @dataclass
