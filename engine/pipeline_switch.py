@@ -23,7 +23,8 @@ Policy per regime: first ``min_samples`` steady steps sequential (the mode that 
 pipelined ones, cut short once a steady pipelined step costs ``give_up`` times the sequential cost per token;
 then the cheaper mode (sequential on a tie). A short burst of the other mode keeps its estimate fresh, every
 ``explore_every`` steps or more rarely, so that exploring a mode that costs r times the chosen one spends at most
-``explore_budget`` of the time: ``explore_steps * (r - 1) / interval <= explore_budget``. The engine switches
+``explore_budget`` of the time: ``explore_steps * (r - 1) / interval <= explore_budget``, but at least every
+``explore_max`` steps (one slow burst during a load spike must not lock a mode out for long). The engine switches
 only when the other mode is cheaper by ``margin`` (hysteresis, so near-equal modes do not flap). Each regime
 learns for itself: the modes' ratio changes with the batch size (all of a batch must hit to skip a re-draft).
 """
@@ -80,6 +81,7 @@ class PipelineSwitch:
     explore_every: int = 32  # steps in the chosen mode between bursts of the other, at least
     explore_steps: int = 3  # a burst: one transition step, then measured ones
     explore_budget: float = 0.03  # the share of time exploring may cost
+    explore_max: int = 128  # ... but at least this often
     margin: float = 0.05  # switch only when the other mode is this much cheaper per token
     keep: float = 0.8  # decay of a mode's sums per sample of it
     age: float = 0.97  # ... and per sample of the other mode: a rarely run mode's old steps fade meanwhile
@@ -130,7 +132,9 @@ class PipelineSwitch:
         cur, other = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
         if not cur or other is None:
             return self.explore_every
-        return max(self.explore_every, self.explore_steps * (other / cur - 1) / self.explore_budget)
+        # Capped: an estimate spoilt by one slow burst (a load spike) must not lock a mode out for long.
+        return min(self.explore_max, max(self.explore_every, self.explore_steps * (other / cur - 1)
+                                         / self.explore_budget))
 
     def _regime(self, key: Regime) -> _Regime:
         return self._regimes.setdefault(key, _Regime())
