@@ -79,8 +79,8 @@ def _hit_round_pit(target: str, n: int) -> tuple[float, int, int]:
 
 def test_hit_rounds_follow_the_target_law(small_vocab):
     target, _ = small_vocab
-    p_value, n_tokens, n_hits = _hit_round_pit(target, 300)
-    assert n_hits > 500 and n_tokens > 1500  # the hit path is what is sampled
+    p_value, n_tokens, n_hits = _hit_round_pit(target, 500)
+    assert n_hits > 800 and n_tokens > 2500  # the hit path is what is sampled
     assert p_value > 1e-3, f"tokens of hit rounds do not follow the target's law (p = {p_value:.2e})"
 
 
@@ -106,6 +106,6 @@ def test_a_wrong_law_on_pre_drafted_trees_only_is_caught(small_vocab, monkeypatc
 
     monkeypatch.setattr(draft_worker, "draw_children", flatter_on_predrafts)
     monkeypatch.setattr(draft_worker.DraftWorker, "step", step)
-    p_value, _, n_hits = _hit_round_pit(target, 300)
-    assert n_hits > 500
+    p_value, _, n_hits = _hit_round_pit(target, 500)
+    assert n_hits > 800
     assert p_value < 1e-6, f"a wrong law on pre-drafted trees went unnoticed (p = {p_value:.2e})"
