@@ -163,3 +163,14 @@ def test_pipelined_v4_draft_rolls_its_state_back(v4) -> None:
     assert got == expected
     assert engine.pipeline is not None and engine.pipeline.stats.hits > 0
     assert workers(engine)[1].runner.rollbacks > 0
+
+
+def test_pipeline_switching_with_a_compressed_state_draft(v4) -> None:
+    """Steps forced pipelined and sequential in turn (engine/pipeline_switch.py): the compressed-state draft follows
+    both kinds of commit and the hand-overs between them; outputs equal the oracle."""
+    target, draft, expected = v4
+    llm = LLM(target, {**spec(draft, None, [2, 2, 1]), "pipeline": True})
+    llm.engine.pipeline.switch.force = lambda i: i % 6 in (0, 1, 4)  # P P S S P S: runs of 1 and 2
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    s = llm.engine.pipeline.stats
+    assert 0 < s.pipelined_steps < s.steps and s.predrafted > 0
