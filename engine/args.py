@@ -48,7 +48,8 @@ class EngineArgs:
                                           "GGUF file", choices=("gguf", "none"))
     speculative_config: str | dict | SpeculativeConfig | None = _arg(
         None, 'JSON, e.g. \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; tree keys: '
-              "tree_branching, tree_sampling, max_tree_nodes; pipelining: pipeline, pipeline_width, draft_process, "
+              "tree_branching, tree_sampling, max_tree_nodes; pipelining: pipeline, pipeline_width, pipeline_switch, "
+              "draft_process, "
               "draft_cores, target_cores. With no "
               "--target, the built-in draft is used (also when the JSON has no 'model') unless this is 'none'",
         metavar="JSON")

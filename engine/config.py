@@ -72,6 +72,9 @@ class SpeculativeConfig:
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted);
+      ``pipeline_switch``: run each step pipelined or sequential, whichever is measured cheaper per emitted
+      token for the step's regime (greedy or sampled, batch-size bucket), exploring the other now and then
+      (engine/pipeline_switch.py; default true; false: every step pipelined);
       ``draft_process``: with tensor_parallel_size 1, run the draft in a local process of its own instead of a
       thread beside the target (engine/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
@@ -95,6 +98,7 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = 1  # independent of the target's
     pipeline: bool = False
     pipeline_width: int = 2
+    pipeline_switch: bool = True
     draft_process: bool = False
     draft_cores: list[int] | None = None
     target_cores: list[int] | None = None
@@ -126,6 +130,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.pipeline_width must be an integer in [0, 8], got {w!r}")
         if not isinstance(self.pipeline, bool):
             raise ValueError(f"speculative_config.pipeline must be true or false, got {self.pipeline!r}")
+        if not isinstance(self.pipeline_switch, bool):
+            raise ValueError(f"speculative_config.pipeline_switch must be true or false, got {self.pipeline_switch!r}")
         if not isinstance(self.draft_process, bool):
             raise ValueError(f"speculative_config.draft_process must be true or false, got {self.draft_process!r}")
         for name in ("draft_cores", "target_cores"):

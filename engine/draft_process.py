@@ -3,7 +3,9 @@ forwards pinned to the target's core(s).
 
 Why: in ``LocalExecutor`` the draft is a thread beside the target, and the two compete for the same cores (and the
 interpreter lock): issue 18 measured verification 1.6-2.3x slower while a pre-draft runs beside it. Here each role
-has its cores (``os.sched_setaffinity``) and as many torch threads as cores, so they do not oversubscribe.
+has its cores (``os.sched_setaffinity``) and as many torch threads as cores, so they do not oversubscribe. A
+target call with no draft call in flight (a sequential step, engine/pipeline_switch.py; a prefill) runs on both
+roles' cores: the draft is idle then.
 
 The child is a plain ``python -m engine.draft_process`` hosting the same ``WorkerProcess`` the Ray executor puts
 in an actor (engine/worker_actor.py), without Ray: the hot path is the same signed msgpack frames over zmq on
@@ -186,15 +188,18 @@ class DraftProcessExecutor:
         # Pinned for the forward only, then the caller's placement again: this process may host other engines
         # (bench compare interleaves modes), and pinning the calling thread for good would hold them to it too.
         # With more than one target core, torch's pool threads keep the mask they were started with.
+        # No draft call in flight (a sequential step, engine/pipeline_switch.py): the draft process waits on its
+        # socket, so the target may use its cores too — each phase then has every core, like a sequential engine.
+        cores = self._tcores if self._in_flight or self._dcores is None else self._tcores | set(self._dcores)
         saved = (os.sched_getaffinity(0), torch.get_num_threads())
-        os.sched_setaffinity(0, self._tcores)
-        if saved[1] != len(self._tcores):
-            torch.set_num_threads(len(self._tcores))
+        os.sched_setaffinity(0, cores)
+        if saved[1] != len(cores):
+            torch.set_num_threads(len(cores))
         try:
             return self.target.step(msg)
         finally:
             os.sched_setaffinity(0, saved[0])
-            if saved[1] != len(self._tcores):
+            if saved[1] != len(cores):
                 torch.set_num_threads(saved[1])
 
     def describe(self) -> dict[str, Any]:

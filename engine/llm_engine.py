@@ -124,6 +124,7 @@ class LLMEngine:
         calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:
             self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
+            self.pipeline.switch.enabled = spec.pipeline_switch
             return self.pipeline
         return SequentialDrafter(calls)
 

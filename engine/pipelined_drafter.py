@@ -26,6 +26,10 @@ greedy and seeded outputs are identical with pipelining on and off.
 The draft worker's scratch pad for a pre-draft holds the in-flight chain, then the prediction nodes, the
 guess nodes and the trees; this file never needs to know where: a ``DraftCommit`` names in-flight tokens and
 prediction nodes, and the worker finds them.
+
+Where pipelining does not pay, a step runs sequential (engine/pipeline_switch.py chooses per step from measured
+cost per token): ``overlap`` pre-drafts nothing, so the next step drafts every round from its real prefix, and
+``commit`` keeps the re-draft's in-flight tokens and accepted nodes as ``SequentialDrafter`` does.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 from engine.drafter import NO_TREE, DraftCalls
 from engine.metrics import SpecDecodingStats
+from engine.pipeline_switch import PipelineSwitch, regime
 from scheduler.scheduler import ScheduledBatch
 from scheduler.spec_policy import TreeShape
 from workers.messages import DraftCommit, DraftResult, DraftSeq, DraftStep, DraftTree, GuessSpec, TargetStepOutput
@@ -50,6 +55,8 @@ class PipelineStats:
     target_busy_s: float = 0.0
     draft_hidden_s: float = 0.0  # draft time that ran while the target was verifying
     wall_s: float = 0.0
+    steps: int = 0  # steps with a speculative round
+    pipelined_steps: int = 0  # ... that pre-drafted during verification (the rest ran sequential)
     # [pre-drafted rounds, hits] by the round's real outcome: accepted length ("4" = all of a K=4 chain, then a
     # bonus token) and by the request's temperature ("0" = greedy).
     by_position: dict[str, list[int]] = field(default_factory=dict)
@@ -76,6 +83,8 @@ class PipelineStats:
             "outcomes_per_round": round(self.outcomes / self.predrafted, 3) if self.predrafted else 0.0,
             "hit_rate_by_position": rates(self.by_position),
             "hit_rate_by_temperature": rates(self.by_temperature),
+            "steps": self.steps,
+            "pipelined_fraction": round(self.pipelined_steps / self.steps, 4) if self.steps else 0.0,
             "draft_hidden_s": round(self.draft_hidden_s, 4),
             "draft_idle_s": round(max(0.0, self.wall_s - self.draft_busy_s), 4),
             "target_idle_s": round(max(0.0, self.wall_s - self.target_busy_s), 4),
@@ -193,6 +202,7 @@ class PipelinedDrafter:
     width: int = 2  # predicted outcomes pre-drafted per request
     stats: PipelineStats = field(default_factory=PipelineStats)
     costs: OutcomeCosts = field(default_factory=OutcomeCosts)
+    switch: PipelineSwitch = field(default_factory=PipelineSwitch)  # pipelined or sequential, per step
     _ready: dict[int, tuple[DraftTree, tuple[int, ...]]] = field(default_factory=dict)  # seq_id -> next round's
     #                                                                     tree (a hit) and its branching
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # draft KV to keep, sent with the next call
@@ -200,11 +210,19 @@ class PipelinedDrafter:
     _t_submit: float = 0.0
     _step_start: float = 0.0
     _predraft_sent: bool = False
+    _redrafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight
+    #                                                                 tokens) of this step's re-draft
+    _mode: bool = True  # this step pre-drafts (pipelined) or not (sequential)
+    _last_mode: bool = False  # the previous step's: a pipelined step is steady only after a pipelined one
+    _regime: tuple[bool, int] = (False, 0)
 
     # ---------------------------------------------------------------------------------------- before verify
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
         """Hits use their pre-drafted tree; everything else is drafted now from the real prefix."""
         self._step_start = time.perf_counter()
+        self._redrafted.clear()
+        self._regime = regime(any(not r.params.greedy for r in batch.rounds), len(batch.rounds))
+        self._mode = self.switch.choose(self._regime)
         for s in gone:
             self._ready.pop(s, None)
             self._commits.pop(s, None)
@@ -221,7 +239,9 @@ class PipelinedDrafter:
                 trees[r.seq_id] = prune(ready[0], len(shape))
             else:  # the draft may hold every token already (a prediction came true, its tree did not fit the
                 #      shape): re-feed the last one, harmless (same KV), so the tree has a row to grow from
-                msg.seqs.append(self.calls.seq(r, min(r.num_cached_draft, r.num_tokens - 1), list(shape)))
+                base = min(r.num_cached_draft, r.num_tokens - 1)
+                msg.seqs.append(self.calls.seq(r, base, list(shape)))
+                self._redrafted[r.seq_id] = (base, r.num_tokens - base)
         if msg.seqs or msg.prefills or msg.finished:
             # Commits alone are no reason to wait for the draft: when every round hit they ride with the pre-draft.
             msg.commits = self._take_commits()
@@ -236,6 +256,9 @@ class PipelinedDrafter:
     def overlap(self, batch: ScheduledBatch, trees: list[DraftTree]) -> None:
         """Start drafting round r+1 for the predicted outcomes of round r."""
         self._t_submit = time.perf_counter()
+        self._predraft_sent = False
+        if not self._mode:  # sequential: the next step drafts from the real prefixes (commits wait for it)
+            return
         msg = DraftStep(commits=self._take_commits())
         for r, tree, shape in zip(batch.rounds, trees, batch.shapes, strict=True):
             # Round r+1 starts at most num_nodes + 1 tokens further on; skip it if it may pass the draft's context.
@@ -300,8 +323,15 @@ class PipelinedDrafter:
                 if res.seq_id in self._inflight:
                     self._inflight[res.seq_id].result = res
         cached = {}
-        for r, res in zip(batch.rounds, out.results, strict=True):
+        for r, tree, res in zip(batch.rounds, trees, out.results, strict=True):
             pre = self._inflight.pop(r.seq_id, None)
+            if pre is None and r.seq_id in self._redrafted:  # no pre-draft: the re-draft's scratch is the
+                #   worker's last for this sequence; keep its in-flight tokens and accepted forwarded nodes
+                base, u = self._redrafted[r.seq_id]
+                kept = res.accepted_nodes[: tree.kv_depth]  # the deepest level was never forwarded
+                self._commits[r.seq_id] = DraftCommit(r.seq_id, u, kept)
+                cached[r.seq_id] = base + u + len(kept)
+                continue
             if pre is None or pre.result is None:
                 continue
             real = r.all_token_ids[pre.base_len:] + res.tokens  # the round's tokens are emitted after this
@@ -311,7 +341,15 @@ class PipelinedDrafter:
             cached[r.seq_id] = pre.base_len + m.num_inflight + len(m.pred_nodes)
             if m.tree is not None:
                 self._ready[r.seq_id] = (m.tree, pre.branching)
-        self.stats.wall_s += time.perf_counter() - self._step_start
+        elapsed = time.perf_counter() - self._step_start
+        self.stats.wall_s += elapsed
+        if any(t.num_nodes for t in trees):
+            self.stats.steps += 1
+            self.stats.pipelined_steps += self._mode
+            if not batch.prefills:  # a prompt chunk's time is mostly prefill: not a cost of either mode
+                self.switch.observe(self._regime, self._mode, self._mode == self._last_mode, elapsed,
+                                    sum(len(res.tokens) for res in out.results))
+        self._last_mode = self._mode
         return cached
 
     def has_tree(self, seq_id: int) -> bool:

@@ -68,7 +68,8 @@ def check_cache(worker, tables: dict[int, list[int]], requests, which: str) -> i
     return checked
 
 
-@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees", "tree-pipelined"])
+@pytest.mark.parametrize("case", ["tree-chunked", "chain-preempting", "narrow-trees", "tree-pipelined",
+                                  "tree-pipeline-switching"])
 def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     if case == "tree-chunked":
         speculative = spec(llama.perturbed, None, [2, 2, 1])
@@ -78,10 +79,11 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
         speculative = spec(llama.perturbed, 4)
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256)
         cache = CacheConfig(block_size=4, num_kv_tokens=96)
-    elif case == "tree-pipelined":
+    elif case.startswith("tree-pipeline"):
         # The draft keeps the KV of the longest predicted prefix that came true: its commits follow the
-        # pre-draft's scratch layout (in-flight chain, prediction nodes), not a verified tree's.
-        speculative = {**spec(llama.perturbed, None, [2, 2, 1]), "pipeline": True}
+        # pre-draft's scratch layout (in-flight chain, prediction nodes), not a verified tree's. Switching: steps
+        # forced pipelined and sequential in turn, so commits follow both layouts and the hand-overs between them.
+        speculative = {**spec(llama.perturbed, None, [2, 2, 1]), "pipeline": True, "pipeline_switch": False}
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=12)
         cache = CacheConfig(block_size=4)
     else:
@@ -93,6 +95,8 @@ def test_committed_kv_equals_fresh_prefill(llama, case: str) -> None:
     narrow = [{"top_k": 2}, {"top_p": 0.6}, {"top_k": 1}, {}, {"min_p": 0.3}]
     engine = LLMEngine(EngineConfig(target=llama.target, speculative=SpeculativeConfig.parse(speculative),
                                     scheduler=sched, cache=cache))
+    if case == "tree-pipeline-switching":
+        engine.pipeline.switch.force = lambda i: i % 6 in (0, 1, 4)  # P P S S P S: runs of 1 and 2
     target, draft = workers(engine)
     sched_ = engine.scheduler
     counts = {"target": 0, "draft": 0, "preempted": 0}

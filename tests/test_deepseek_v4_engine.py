@@ -116,7 +116,8 @@ def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path, rule: str) -> None:
 @pytest.mark.parametrize("branching", [None, [2, 2, 1]], ids=["chain4", "tree221"])
 def test_pipelined_speculation_equals_oracle(v4, branching) -> None:
     target, draft, expected = v4
-    got, engine = _generate(target, {**spec(draft, 4 if branching is None else None, branching), "pipeline": True})
+    got, engine = _generate(target, {**spec(draft, 4 if branching is None else None, branching), "pipeline": True,
+                                     "pipeline_switch": False})
     assert got == expected
     assert engine.pipeline is not None and engine.pipeline.stats.predrafted > 0
 
@@ -158,7 +159,18 @@ def test_pipelined_v4_draft_rolls_its_state_back(v4) -> None:
     """Pipelined, the draft commits predicted tokens and the engine may then take the last back (base_len below
     the committed position): the runner undoes its last commit and keeps the head."""
     target, _, expected = v4
-    got, engine = _generate(target, {**spec(target, 3), "pipeline": True})
+    got, engine = _generate(target, {**spec(target, 3), "pipeline": True, "pipeline_switch": False})
     assert got == expected
     assert engine.pipeline is not None and engine.pipeline.stats.hits > 0
     assert workers(engine)[1].runner.rollbacks > 0
+
+
+def test_pipeline_switching_with_a_compressed_state_draft(v4) -> None:
+    """Steps forced pipelined and sequential in turn (engine/pipeline_switch.py): the compressed-state draft follows
+    both kinds of commit and the hand-overs between them; outputs equal the oracle."""
+    target, draft, expected = v4
+    llm = LLM(target, {**spec(draft, None, [2, 2, 1]), "pipeline": True})
+    llm.engine.pipeline.switch.force = lambda i: i % 6 in (0, 1, 4)  # P P S S P S: runs of 1 and 2
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    s = llm.engine.pipeline.stats
+    assert 0 < s.pipelined_steps < s.steps and s.predrafted > 0

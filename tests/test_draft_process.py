@@ -19,23 +19,28 @@ CORES = sorted(os.sched_getaffinity(0))
 PINNED = {"draft_cores": [CORES[-1]], "target_cores": [CORES[0]]}
 
 
-def _run(target: str, cfg: dict, params: SamplingParams) -> tuple[list[list[int]], dict | None]:
+def _run(target: str, cfg: dict, params: SamplingParams, force=None) -> tuple[list[list[int]], dict | None]:
     with LLM(target, speculative_config=cfg) as llm:
-        seen: set[frozenset[int]] = set()
+        seen: set[tuple[frozenset[int], bool]] = set()
+        if force is not None:
+            llm.engine.pipeline.switch.force = force
         if cfg.get("draft_process"):
             ex = llm.engine.executor
             assert os.sched_getaffinity(ex._proc.pid) == set(PINNED["draft_cores"])  # the child is pinned
             step = ex.target.step
 
-            def pinned_step(msg):  # where the target's forwards run
-                seen.add(frozenset(os.sched_getaffinity(0)))
+            def pinned_step(msg):  # where the target's forwards run, and whether the draft was working meanwhile
+                seen.add((frozenset(os.sched_getaffinity(0)), ex._in_flight))
                 return step(msg)
 
             ex.target.step = pinned_step
         outs = llm.generate(PROMPTS, params)
         stats = llm.engine.pipeline.stats.as_dict() if llm.engine.pipeline is not None else None
         if cfg.get("draft_process"):
-            assert seen == {frozenset(PINNED["target_cores"])}
+            # Beside a working draft, the target keeps to its cores; while the draft waits, it has both roles'.
+            both = frozenset(PINNED["target_cores"] + PINNED["draft_cores"])
+            assert (frozenset(PINNED["target_cores"]), True) in seen
+            assert seen <= {(frozenset(PINNED["target_cores"]), True), (both, False)}, seen
     return [o.token_ids for o in outs], stats
 
 
@@ -46,11 +51,23 @@ def test_outputs_identical_with_the_draft_in_its_own_process(llama, params):
     before = os.sched_getaffinity(0)
     cfg = spec(llama.perturbed, branching=[2, 1, 1])
     off, _ = _run(llama.target, cfg, params)
-    on, stats = _run(llama.target, {**cfg, "pipeline": True, "pipeline_width": 3, "draft_process": True,
-                                    **PINNED}, params)
+    on, stats = _run(llama.target, {**cfg, "pipeline": True, "pipeline_switch": False, "pipeline_width": 3,
+                                    "draft_process": True, **PINNED}, params)
     assert on == off
     assert 0 < stats["hits"] <= stats["predrafted_rounds"]  # the pre-drafted trees came from the child
     assert os.sched_getaffinity(0) == before  # pinned for the target's forwards only
+
+
+def test_switching_with_the_draft_in_its_own_process(llama):
+    """Steps forced pipelined and sequential in turn, the draft in its own process: outputs as without
+    pipelining (sequential steps verify on both roles' cores, pipelined ones on the target's)."""
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13, ignore_eos=True)
+    cfg = spec(llama.perturbed, branching=[2, 1, 1])
+    off, _ = _run(llama.target, cfg, seeded)
+    on, stats = _run(llama.target, {**cfg, "pipeline": True, "draft_process": True, **PINNED}, seeded,
+                     force=lambda i: i % 6 in (0, 1, 4))
+    assert on == off
+    assert 0 < stats["pipelined_fraction"] < 1 and stats["hits"] > 0
 
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -61,7 +78,7 @@ def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
     # SIGKILL the child mid-job: noticed at once, the engine decodes greedy requests without speculation while a
     # new child loads, holds the seeded sampled ones (their tokens depend on the draft's trees), then speculates
     # again; every output is as without the fault.
-    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True}
+    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_switch": False}
     params = [GREEDY] * len(PROMPTS) + [SEEDED] * len(PROMPTS)
     with LLM(llama.target, speculative_config=cfg) as llm:  # the reference: the draft in a thread, no fault
         reference = [o.token_ids for o in llm.generate(PROMPTS + PROMPTS, params)]

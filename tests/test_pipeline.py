@@ -28,7 +28,7 @@ def test_greedy_identical_with_pipelining_on_and_off(llama, shape):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base, _ = _run(llama.target, None, params)
     off, _ = _run(llama.target, spec(llama.perturbed, **shape), params)
-    on, eng = _run(llama.target, {**spec(llama.perturbed, **shape), "pipeline": True}, params)
+    on, eng = _run(llama.target, {**spec(llama.perturbed, **shape), "pipeline": True, "pipeline_switch": False}, params)
     assert base == off == on
     stats = eng.pipeline.stats
     # The perturbed draft agrees partly: some predictions come true and some do not, so both paths ran.
@@ -38,7 +38,7 @@ def test_greedy_identical_with_pipelining_on_and_off(llama, shape):
 def test_forced_hits_draft_equals_target(llama):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     base, _ = _run(llama.target, None, params)
-    on, eng = _run(llama.target, {**spec(llama.target, k=3), "pipeline": True}, params)
+    on, eng = _run(llama.target, {**spec(llama.target, k=3), "pipeline": True, "pipeline_switch": False}, params)
     assert on == base
     assert eng.pipeline.stats.predrafted > 0
     assert eng.pipeline.stats.hits == eng.pipeline.stats.predrafted  # every round used a pre-drafted tree
@@ -48,7 +48,8 @@ def test_forced_misses_no_predictions(llama):
     """With no guesses there is no pre-drafted tree to use: every round is re-drafted from the real prefix."""
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     base, _ = _run(llama.target, None, params)
-    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_width": 0}
+    cfg = {**spec(llama.perturbed, branching=[2, 1, 1]), "pipeline": True, "pipeline_switch": False,
+           "pipeline_width": 0}
     on, eng = _run(llama.target, cfg, params)
     assert on == base
     assert eng.pipeline.stats.predrafted > 0 and eng.pipeline.stats.hits == 0
@@ -60,7 +61,7 @@ def test_seeded_sampling_identical_with_pipelining(llama, sampling):
     params = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=13, ignore_eos=True)
     cfg = spec(llama.perturbed, branching=[2, 1, 1], sampling=sampling)
     off, _ = _run(llama.target, cfg, params)
-    on, eng = _run(llama.target, {**cfg, "pipeline": True}, params)
+    on, eng = _run(llama.target, {**cfg, "pipeline": True, "pipeline_switch": False}, params)
     assert off == on
     assert eng.pipeline.stats.hits > 0
 
@@ -90,7 +91,7 @@ def test_distribution_with_pipelining(small_vocab):
     target, draft = small_vocab
     prompt, temperature, n = [1, 5, 7], 1.0, 1500
     exact = _exact_law(target, prompt, temperature).flatten()  # [V * V]
-    cfg = {**spec(draft, branching=[2, 1]), "pipeline": True}
+    cfg = {**spec(draft, branching=[2, 1]), "pipeline": True, "pipeline_switch": False}
     llm = LLM(target, speculative_config=cfg, max_num_seqs=512)
     params = [SamplingParams(max_tokens=4, temperature=temperature, seed=1000 + i, ignore_eos=True)
               for i in range(n)]
@@ -158,7 +159,8 @@ def _pipelined_pair_pvalue(target: str, draft: str, n: int) -> tuple[float, LLM]
     """test_distribution_with_pipelining's sampling and chi-square, as one function of the engine's code."""
     prompt, temperature = [1, 5, 7], 1.0
     exact = _exact_law(target, prompt, temperature).flatten()  # [V * V]
-    llm = LLM(target, speculative_config={**spec(draft, branching=[2, 1]), "pipeline": True}, max_num_seqs=512)
+    llm = LLM(target, speculative_config={**spec(draft, branching=[2, 1]), "pipeline": True, "pipeline_switch": False},
+              max_num_seqs=512)
     params = [SamplingParams(max_tokens=4, temperature=temperature, seed=1000 + i, ignore_eos=True)
               for i in range(n)]
     outs = llm.generate([prompt] * n, params)
@@ -220,9 +222,58 @@ def test_a_broken_prefix_match_is_caught(llama, monkeypatch):
     params = SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=11, ignore_eos=True)
     cfg = spec(llama.perturbed, branching=[2, 1, 1], sampling="iid")
     off, _ = _run(llama.target, cfg, params)
-    on, _ = _run(llama.target, {**cfg, "pipeline": True}, params)
+    on, _ = _run(llama.target, {**cfg, "pipeline": True, "pipeline_switch": False}, params)
     assert on == off
     monkeypatch.setattr(pd, "match_prediction", sloppy)
-    broken, eng = _run(llama.target, {**cfg, "pipeline": True}, params)
+    broken, eng = _run(llama.target, {**cfg, "pipeline": True, "pipeline_switch": False}, params)
     assert eng.pipeline.stats.hits == eng.pipeline.stats.predrafted  # every round took a pre-drafted tree
     assert broken != off
+
+
+# ------------------------------------------------------------------------------------------ pipelined / sequential
+PATTERN = [True, True, False, False, True, False, True, True, True, False, False, False]  # runs of both, both ways
+
+
+def _forced(target: str, cfg: dict, params: SamplingParams, force) -> tuple[list[list[int]], object, list[int]]:
+    """Outputs with each step's mode forced; the in-flight tokens of every re-drafted round (its re-feed)."""
+    llm = LLM(target, speculative_config=cfg)
+    pipe = llm.engine.pipeline
+    pipe.switch.force = force
+    run, refed = pipe.calls.run, []
+
+    def spy(msg):
+        if not msg.prefills:
+            refed.extend(len(s.token_ids) for s in msg.seqs)
+        return run(msg)
+
+    pipe.calls.run = spy
+    outs = llm.generate(PROMPTS, params)
+    return [o.token_ids for o in outs], pipe, refed
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=40, temperature=0.9, top_k=20, seed=13,
+                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+def test_switching_mid_request_changes_no_output(llama, params):
+    """Steps forced pipelined and sequential in runs of both lengths, mid-request: outputs as without pipelining."""
+    cfg = spec(llama.perturbed, branching=[2, 1, 1])
+    off, _ = _run(llama.target, cfg, params)
+    on, pipe, refed = _forced(llama.target, {**cfg, "pipeline": True}, params, lambda i: PATTERN[i % len(PATTERN)])
+    assert on == off
+    s = pipe.stats
+    assert 0 < s.pipelined_steps < s.steps and s.hits > 0
+    # A sequential step keeps its re-draft's draft KV: no round re-feeds more than the last round's tokens that
+    # were never forwarded (at most the accepted leaf, the bonus token, and the re-fed last token).
+    assert max(refed) <= 4
+
+
+def test_all_sequential_keeps_the_draft_cache(llama):
+    """Every step sequential inside a pipelined engine: outputs as the sequential drafter's, nothing pre-drafted,
+    and the draft KV advances each round (re-feeds stay short)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    cfg = spec(llama.perturbed, k=3)
+    off, _ = _run(llama.target, cfg, params)
+    on, pipe, refed = _forced(llama.target, {**cfg, "pipeline": True}, params, lambda i: False)
+    assert on == off
+    assert pipe.stats.predrafted == 0 and pipe.stats.pipelined_steps == 0 < pipe.stats.steps
+    assert max(refed) <= 4

@@ -202,7 +202,8 @@ def test_draft_tp2_with_target_tp2(tp_models: TPModels, engines: Engines, in_pro
 @pytest.mark.slow
 def test_tp4_pipelined_tree(tp_models: TPModels, engines: Engines, in_process) -> None:
     # The draft works on round r+1 while the target's 4 ranks verify round r: replies of both roles interleave.
-    llm = engines.take("tp4-pipe", "tree", tensor_parallel_size=4, spec_extra={"pipeline": True})
+    llm = engines.take("tp4-pipe", "tree", tensor_parallel_size=4,
+                       spec_extra={"pipeline": True, "pipeline_switch": False})
     try:
         assert len(llm.engine.executor.describe()) == 5
         greedy, sampled = run(llm)

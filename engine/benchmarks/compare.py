@@ -40,11 +40,14 @@ from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
 from scheduler.sampling_params import SamplingParams, is_greedy
 
 ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined", "specserve_adaptive",
-                "specserve_chain_allcores", "specserve_pipelined_process")
+                "specserve_chain_allcores", "specserve_pipelined_process", "specserve_pipelined_process_always")
 # Equal hardware (issue 18): the sequential chain whose every phase may use all of this process's cores (torch
 # threads = cores) against pipelining with the draft in its own process, one core per role (draft on the last
 # core, target on the first). specserve_chain / specserve_pipelined keep --threads and the in-process draft thread.
+# Pipelined modes switch each step to sequential where that measures cheaper (engine/pipeline_switch.py; a
+# sequential step's target runs on both roles' cores); "_always" pipelines every step.
 ALL_CORES_MODE, PROCESS_MODE = "specserve_chain_allcores", "specserve_pipelined_process"
+ALWAYS_MODE = "specserve_pipelined_process_always"
 FIXED_K_MODE = "specserve_k"  # + K: a fixed chain of K per --fixed-ks
 HF_MODES = ("hf_generate", "hf_assisted", "hf_assisted_constant_k")  # the assisted ones at batch 1 only
 
@@ -151,7 +154,8 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
     if row is None:
         return outs
     row.breakdown = eng.times.as_dict()
-    row.pipeline = eng.pipeline.stats.as_dict() if eng.pipeline is not None else None
+    row.pipeline = ({**eng.pipeline.stats.as_dict(), "switch": eng.pipeline.switch.as_dict()}
+                    if eng.pipeline is not None else None)
     if eng.config.speculative is not None:
         s = eng.stats.as_dict()
         row.acceptance_length.append(s["mean_acceptance_length"])
@@ -270,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
              ALL_CORES_MODE: chain,
              PROCESS_MODE: {**chain, "pipeline": True, "pipeline_width": args.pipeline_width, "draft_process": True,
                             **one_core_per_role()},
+             ALWAYS_MODE: {**chain, "pipeline": True, "pipeline_width": args.pipeline_width, "draft_process": True,
+                           "pipeline_switch": False, **one_core_per_role()},
              "specserve_adaptive": {**chain, "num_speculative_tokens": args.adaptive_k, "adaptive": True},
              **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
@@ -391,7 +397,7 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
         print(f"{r.temperature:>4} {r.batch:>5} {r.mode:<28} {r.tok_s:>8.1f} {acc:>7} {rate:>8} {kmean:>6} "
               f"{ratio('specserve_chain'):>8} {ratio('specserve_nospec'):>9} {ratio('hf_assisted'):>10} "
               f"{ratio('hf_generate'):>9} {r.greedy_match_vs_hf or '-':>9}")
-    pairs = [(r, x) for r in rows if r.mode == PROCESS_MODE for x in rows
+    pairs = [(r, x) for r in rows if r.mode in (PROCESS_MODE, ALWAYS_MODE) for x in rows
              if x.mode == ALL_CORES_MODE and (x.temperature, x.batch) == (r.temperature, r.batch)]
     if pairs:
         print("\nequal hardware: pipelined, draft in its own process, one core per role vs the sequential chain on "
@@ -399,10 +405,14 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
         for r, x in pairs:
             bound = hidden_bound(x)
             pipe = r.pipeline or {}
-            print(f"  T={r.temperature} b={r.batch}: pipelined {r.tok_s:.1f} vs chain {x.tok_s:.1f} tok/s = "
-                  f"{r.tok_s / x.tok_s:.2f}x; draft fully hidden {bound or 0:.1f} tok/s "
+            print(f"  T={r.temperature} b={r.batch} {r.mode}: pipelined {r.tok_s:.1f} vs chain {x.tok_s:.1f} tok/s"
+                  f" = {r.tok_s / x.tok_s:.2f}x; draft fully hidden {bound or 0:.1f} tok/s "
                   f"({(bound or 0) / x.tok_s:.2f}x); hit rate {pipe.get('hit_rate', 0):.2f}, outcomes per round "
-                  f"{pipe.get('outcomes_per_round', 0):.2f}")
+                  f"{pipe.get('outcomes_per_round', 0):.2f}; steps pipelined {pipe.get('pipelined_fraction', 0):.2f}"
+                  f" (last repeat)")
+            for key, g in (pipe.get("switch") or {}).items():
+                print(f"      switch {key}: {g['mode']}, ms per token pipelined {g['pipelined_ms_per_token']} vs "
+                      f"sequential {g['sequential_ms_per_token']}, {g['switches']} switch(es)")
             for what in ("position", "temperature"):
                 table = pipe.get(f"hit_rate_by_{what}") or {}
                 print(f"      hit rate by {what}: " + ", ".join(

@@ -92,7 +92,8 @@ def record(args: argparse.Namespace) -> int:
     prompts = load_prompts(str(DEFAULT_MODELS_DIR / "prompts.jsonl"), load_tokenizer(target), cfg.vocab_size,
                            max(args.num_prompts, args.batch), cfg.max_model_len - args.max_tokens - args.k - 2)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
-            "pipeline": args.mode == "pipelined", "pipeline_width": args.width}
+            "pipeline": args.mode == "pipelined", "pipeline_width": args.width,
+            "pipeline_switch": False}  # a pipelined trace: every step pipelined
     if args.draft_process:  # the draft in its own process, one core per role (engine/draft_process.py)
         from engine.benchmarks.compare import one_core_per_role
 
