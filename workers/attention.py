@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from workers.row_invariant import RowAttention
+
 
 class AttentionContext(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,11 @@ class PagedContext:
     meta: PagedMetadata
     cache: KVCacheLike
     scale: float | None = None
+    # One SDPA call per query row over exactly its visible keys (workers/row_invariant.py): a row's output then
+    # does not depend on the other rows of the forward. Set for models whose output must not (quantized ones).
+    row_invariant: bool = False
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _rows: RowAttention | None = field(default=None, init=False, repr=False)
 
     def _additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The bool mask as 0 / -inf in q's dtype, made once per forward (SDPA would convert it every layer)."""
@@ -124,6 +130,11 @@ class PagedContext:
         else:
             keys, values = cache.gather_blocks(layer, m.kv_blocks)  # [B, nb * block_size, Hkv, D] each
             keys, values = keys[:, :nk].transpose(1, 2), values[:, :nk].transpose(1, 2)  # [B, Hkv, L, D]
+        if self.row_invariant:
+            if self._rows is None:
+                slots = m.out_index.tolist() if m.out_index is not None else list(range(q.shape[0]))
+                self._rows = RowAttention(slots, nq, nk, m.mask, m.causal)
+            return self._rows(q, keys, values, self.scale)  # [T, Hq, D]
         t, hq, d = q.shape
         qp = q if m.query_index is None else q.index_select(0, m.query_index)
         o = _sdpa(qp.view(b, nq, hq, d).transpose(1, 2), keys, values, self._additive_mask(q.dtype), m.causal,

@@ -257,9 +257,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use ParallelLMHead.logits(hidden)")
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, E] -> [N, V] float32 over the full vocabulary (gathered from every rank)."""
-        local = linear(hidden, self.weight)  # [N, ceil(V / tp)]
+    def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        """[N, E] -> [N, V] float32 over the full vocabulary (gathered from every rank); ``row_invariant``: a
+        row's logits bit-identical whatever the other rows (a gemv per row, workers/row_invariant.py)."""
+        if row_invariant:
+            from workers.row_invariant import row_invariant_logits
+
+            local = row_invariant_logits(hidden, self.weight)  # [N, ceil(V / tp)]
+        else:
+            local = linear(hidden, self.weight)  # [N, ceil(V / tp)]
         if self.tp.size == 1:
             return local.float()
         return self.tp.all_gather(local, dim=-1)[:, :self.vocab_size].float()

@@ -119,6 +119,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
         from workers.quantized_linear import quantize_linears
 
         weights, model.quant_report = quantize_linears(model, weights)
+        model.row_invariant = True  # bfloat16 activations: see workers/row_invariant.py
     model.load_weights(weights)
     return model.eval()
 

@@ -24,7 +24,7 @@ class ModelRunner:
         if not seqs:
             return torch.empty(0)
         batch = build_batch(seqs, self.block_size, self.device)
-        ctx = PagedContext(batch.meta, self.cache)
+        ctx = PagedContext(batch.meta, self.cache, row_invariant=getattr(self.model, "row_invariant", False))
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [T, H]
         if batch.logit_rows.numel() == 0:
             return hidden.new_empty(0, 0)

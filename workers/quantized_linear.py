@@ -12,8 +12,10 @@ What this model computes, and why it is a model of its own rather than the float
 only for bfloat16 (float32 inputs take a scalar path ~40x slower here), so the activations entering these
 matmuls, the block scales (float16 in the file) and the outputs are rounded to bfloat16; everything else
 (norms, residual stream, attention, the head) stays in the compute dtype. The kernel gives a row the same
-result whatever the other rows of the batch (checked in tests/test_gguf.py), so verification of k+1 rows
-scores each candidate as a one-row decode step would: speculation reproduces this model's own output.
+result whatever the other rows of the batch (tests/test_gguf.py, tests/test_row_invariance.py); float32 GEMM
+and SDPA do not, and bfloat16 rounding turns their 1e-7 differences into flipped tokens, so the loader marks a
+quantized model ``row_invariant`` (head and attention per row, workers/row_invariant.py): verification of k+1
+rows then scores each candidate as a one-row decode step would, and speculation reproduces this model's output.
 
 ``quantize_linears(model, weights)`` moves every Q4 weight of a column/row-parallel linear layer into an
 ``Int4Linear`` (this rank's rows/columns only, cut with the layer's ``source_region``) and returns the

@@ -134,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.tp, config.dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # same sharding, so one tensor serves both
+        # A row's logits independent of the other rows of the forward (head and attention; workers/row_invariant.py).
+        # The loader sets it for quantized models, whose bfloat16 activations make 1e-7 differences flip tokens.
+        self.row_invariant = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions: [T] long (a flattened batch) -> hidden states after the final norm [T, H]."""
@@ -141,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, V] float32 over the whole vocabulary (identical on every TP rank)."""
-        return self.lm_head.logits(hidden)
+        return self.lm_head.logits(hidden, row_invariant=self.row_invariant)
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
         """Load (HF name, tensor or safetensors slice) pairs; every parameter must be covered exactly."""

@@ -1,0 +1,83 @@
+"""Row-invariant forward pieces: a row's numbers do not depend on which other rows share the forward.
+
+Why: greedy with speculation must equal greedy without, and a request's output must not depend on what else is
+batched with it. A verify forward scores k+1 (or tree-size) rows of a request where a decode step scores one,
+and a decode step at batch 16 has 16 rows where a lone request has one. Float sums are not associative, so any
+kernel whose summation order depends on the number of rows (M) or on key padding gives a row different bits in
+different batches; the 4-bit target (bfloat16 activations into every linear) turns such 1e-7 differences into
+whole bfloat16 ulps downstream, and near-ties in the logits flip (measured on the real SmolLM2 Q4_1 file).
+
+Measured here (torch 2.13 CPU, MKL, AVX-512; tests/test_row_invariance.py):
+- the packed-int4 matmul (workers/quantized_linear.py) is row-invariant: each row's bits are the same alone or
+  inside 2..64 rows;
+- float32 ``F.linear`` is not: MKL has three regimes, M = 1 (a gemv), M = 2..15 and M >= 16, each summing in
+  its own order (about 1e-5 apart on the 49,152 x 576 head);
+- ``F.scaled_dot_product_attention`` is not: a query row's output changes with the number of query rows of its
+  sequence (decode 1 vs verify k+1), with the key padding of a batch, and with masked keys in between.
+
+So a row-invariant model computes (``row_invariant_logits``) the head as one gemv per row over fixed
+512-row slices of the weight (the slices stay in cache while every row reads them; a gemv's result depends only
+on its row: this is also exactly what a one-row decode step computed before), and (``RowAttention``) each query
+row's attention as its own one-query SDPA call over exactly the keys it may see, in position order, unpadded
+(a decode step's call): a verify node, a prefill row of any chunk, and a decode row at any batch size then all
+take the identical code path with identical operands. Everything else in the Llama forward (embedding, RMSNorm,
+RoPE, SiLU, residual adds, the int4 matmuls) is elementwise or per-row already.
+
+Cost: batch-1 decode is unchanged (it already ran exactly these calls); extra rows pay a gemv each for the head
+(instead of sharing one GEMM pass) and one SDPA call each per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+HEAD_SLICE_ROWS = 512  # weight rows per gemv slice: 512 x 576 float32 is ~1.2 MB, which stays in L2 across rows
+
+
+def row_invariant_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [N, E] @ weight [V, E]^T -> [N, V] in hidden's dtype, one gemv per (row, weight slice)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    out = hidden.new_empty(n, v)  # [N, V]
+    for start in range(0, v, HEAD_SLICE_ROWS):
+        w = weight[start:start + HEAD_SLICE_ROWS]  # [S, E] (a view)
+        for r in range(n):
+            torch.mv(w, hidden[r], out=out[r, start:start + w.shape[0]])
+    return out
+
+
+class RowAttention:
+    """One SDPA call per query row over exactly its visible keys (a ``PagedMetadata``'s mask/causal/padding,
+    worked out once per forward)."""
+
+    def __init__(self, slot_of_row: list[int], num_queries: int, num_keys: int, mask: torch.Tensor | None,
+                 causal: bool) -> None:
+        # Per flattened row t: (sequence b, keys) where keys is an int n (keys [0, n)) or a long index [n].
+        self.plan: list[tuple[int, int | torch.Tensor]] = []
+        counts = prefix = None
+        if mask is not None:
+            m = mask[:, 0]  # [B, Q, L] bool
+            counts = m.sum(-1).tolist()  # [B][Q]: keys visible to each query
+            prefix = m.long().cumprod(-1).sum(-1).tolist()  # [B][Q]: length of the leading visible run
+        for slot in slot_of_row:
+            b, i = divmod(slot, num_queries)
+            if mask is not None:
+                n = counts[b][i]
+                keys: int | torch.Tensor = n if prefix[b][i] == n else mask[b, 0, i].nonzero()[:, 0]
+            else:
+                keys = i + 1 if causal else num_keys
+            self.plan.append((b, keys))
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 scale: float | None) -> torch.Tensor:
+        """q [T, Hq, D] (flattened rows), keys/values [B, Hkv, L, D] -> [T, Hq, D]."""
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != keys.shape[1]
+        for t, (b, sel) in enumerate(self.plan):
+            if isinstance(sel, int):
+                k, v = keys[b:b + 1, :, :sel], values[b:b + 1, :, :sel]  # [1, Hkv, n, D] views
+            else:
+                k, v = keys[b:b + 1].index_select(2, sel), values[b:b + 1].index_select(2, sel)
+            o = F.scaled_dot_product_attention(q[t, None, :, None], k, v, scale=scale, enable_gqa=gqa)  # [1,Hq,1,D]
+            out[t] = o[0, :, 0]
+        return out
