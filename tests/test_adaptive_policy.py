@@ -325,3 +325,28 @@ def test_a_regime_without_measured_rounds_runs_the_configured_depth() -> None:
     p._last.clear()
     teach(p, reqs[0], 0.97, rounds=10)
     assert len(p.plan(reqs)[0]) >= 6
+
+
+def test_a_new_regime_pins_only_the_rounds_it_needs_to_learn() -> None:
+    """At batch 32 in a regime not seen yet, ``min_rounds`` requests run the configured depth (its rates are
+    measured from them); the others are planned (here: K = 0, the costs being compute-bound). Pinning all 32
+    made that step cost 32 x K_max candidates. (With those pinned rounds' cost in the step, one more candidate
+    of the prior's rate can pay for itself; nothing deeper does.)"""
+    p = policy(costs(**COMPUTE_BOUND))
+    reqs = requests(32)
+    shapes = p.plan(reqs)
+    assert shapes[: p.min_rounds] == [(1,) * K_MAX] * p.min_rounds
+    assert all(len(s) <= 1 for s in shapes[p.min_rounds:]), shapes
+
+
+def test_a_regime_is_known_after_exactly_min_rounds_rounds_even_of_the_configured_tree() -> None:
+    """``min_rounds`` rounds of the configured shape make the regime known: counted undecayed (the decayed
+    count of 8 rounds is 7.86, which cost a second step at K_max), and a configured tree's rounds count too
+    (counting chain rounds only kept a tree configuration pinned forever)."""
+    for branching in ((1,) * K_MAX, (2, 1, 1)):
+        p = policy(costs(**COMPUTE_BOUND), branching=branching)
+        reqs = requests(8)
+        assert p.plan(reqs) == [branching] * 8
+        for r in reqs:
+            teach(p, r, 0.6, rounds=1, seed=r.seq_id, branching=branching)
+        assert p.plan(reqs) == [()] * 8, branching
