@@ -222,7 +222,12 @@ class AdaptivePolicy:
         verify = sum(r.inflight for r in rs) + self._pinned_verify()
         tokens = float(len(rs)) + pinned.tokens
         fixed_s = self._cost.state(len(rs) + len(self._pinned))
-        verify_cost, draft_cost, call_cost = self._cost.verify, self._cost.draft, self._cost.draft_call
+        nseqs = len(rs) + len(self._pinned)  # every plan of this step has them all: one curve of the verify's
+        draft_cost, call_cost = self._cost.draft, self._cost.draft_call
+
+        def verify_cost(tokens: int) -> float:
+            return self._cost.verify_seconds(tokens, nseqs)
+
         # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
         # per-step cost: re-pricing all K forwards at every prefix was most of it).
         fwd_s = [draft_cost(f) if f > 0 else 0.0 for f in forwards]
