@@ -87,7 +87,6 @@ class AdaptivePolicy:
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
-    _prefill: int = 0  # prompt tokens this step's target forward likely carries besides the rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
@@ -123,7 +122,12 @@ class AdaptivePolicy:
         return req.params.seed is not None and not req.params.greedy
 
     def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
-        self._prefill = prefill_tokens
+        # ``prefill_tokens`` is not priced: the plan is the one for a decode-only step. Priced beside the rounds,
+        # the prefill's seconds (which emit nothing) sat in every plan's denominator, so any candidate with a
+        # positive rate raised the step's: at batch 64, T=0.8 (long prompts, chunked) 24-54 decoding requests ran
+        # K = 7-8 in each of the 4 prefill steps, which took 3.3-6.2 s against 2.1 s for the same 2048 tokens
+        # without them (their candidates also take the token budget from the prompts, delaying them).
+        del prefill_tokens
         if self.forced is not None:
             return [self.forced[: self.base.cap(r)] for r in reqs]
         k = self.base.tree.depth
@@ -187,7 +191,7 @@ class AdaptivePolicy:
         if self._cost is None:
             self._cost = self._regime_cost(rs)
         tokens = 0.0
-        verify = self._prefill
+        verify = 0
         forwards: list[int] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
@@ -264,8 +268,8 @@ class AdaptivePolicy:
         return self.price(rs, [(1,) * d for d in depths])
 
     def _pinned_verify(self) -> int:
-        """Target tokens of the step that the plan does not choose: the pinned rounds', and prefill chunks."""
-        return self._prefill + sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
+        """Target tokens of the step that the plan does not choose: the pinned rounds'."""
+        return sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
 
     def _pinned_forwards(self) -> list[int]:
         forwards: list[int] = []

@@ -268,17 +268,21 @@ def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -
 
 
 # ------------------------------------------------------------------------ a prefill chunk in the same step
-def test_a_prefill_in_the_same_step_is_priced() -> None:
-    """Beside a 256-token prefill chunk the target is past its flat region anyway: the candidates of a decoding
-    request cost their marginal tokens, not the jump from a 1-token step to a 9-token one. Verify: flat 10 ms to
-    8 tokens, then +1 ms per 8 tokens; a step with candidates needs a draft call (8 ms fixed)."""
-    p = policy(costs(verify=lambda n: 10 * MS + max(0, n - 8) * MS / 8, draft=lambda n: 0.1 * MS))
-    p.cost.draft_call = curve(lambda n: 8 * MS)
-    reqs = requests(1)
-    teach(p, reqs[0], 0.35)
-    assert p.plan(reqs) == [()]  # alone: 1 token in 10 ms beats ~1.5 tokens in 18 ms
+def test_a_prefill_in_the_same_step_does_not_make_deep_chains_look_free() -> None:
+    """Beside a 2048-token prefill chunk the plan is the decode-only step's. Priced with the prefill, whose 2 s
+    emit nothing, every candidate with a positive rate raised the step's tokens per second, and a batch of 32
+    ran K = 8 (measured at batch 64, T=0.8: prefill steps of 3.3-6.2 s instead of 2.1 s). CPU-like costs:
+    verify 30 ms to 32 tokens, then 1 ms per token; a draft forward 1 ms + 0.3 ms per token."""
+    sizes = tuple(2 ** i for i in range(13))  # to 4096: every size of both plans measured (no exploration step)
+    p = policy(CostModel(verify=curve(lambda n: 30 * MS + max(0, n - 32) * MS, sizes),
+                         draft=curve(lambda n: 1 * MS + 0.3 * MS * n, sizes), state=curve(lambda n: 0.05 * MS)))
+    reqs = requests(32, greedy=False)
+    for r in reqs:
+        teach(p, r, 0.8, seed=r.seq_id)
+    alone = p.plan(reqs)
+    assert max(len(s) for s in alone) <= 2, alone
     p._last.clear()
-    assert len(p.plan(reqs, prefill_tokens=256)[0]) > 0  # beside the prefill: 1 in 41 ms vs ~1.5 in 50 ms
+    assert p.plan(reqs, prefill_tokens=2048) == alone
 
 
 def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
