@@ -47,6 +47,7 @@ class AcceptanceTracker:
     prior_weight: float = 2.0  # how many rounds of evidence the prior is worth
     _engine: dict[tuple[bool, bool], PositionCounts] = field(default_factory=dict)  # (greedy, tree) -> counts
     _requests: dict[tuple[int, bool], PositionCounts] = field(default_factory=dict)  # (seq_id, tree) -> counts
+    _seen: dict[bool, int] = field(default_factory=dict)  # greedy -> rounds observed (chains and trees), undecayed
 
     def _counts(self, table: dict, key: tuple, decay: float) -> PositionCounts:
         c = table.get(key)
@@ -57,6 +58,7 @@ class AcceptanceTracker:
     def observe(self, seq_id: int, greedy: bool, tree: bool, depth: int, num_accepted: int) -> None:
         if depth <= 0:
             return
+        self._seen[greedy] = self._seen.get(greedy, 0) + 1
         self._counts(self._engine, (greedy, tree), self.engine_decay).observe(depth, num_accepted)
         self._counts(self._requests, (seq_id, tree), self.request_decay).observe(depth, num_accepted)
 
@@ -97,6 +99,11 @@ class AcceptanceTracker:
         """The engine's (decayed) count of chain rounds in a regime."""
         c = self._engine.get((greedy, False))
         return c.rounds() if c is not None else 0.0
+
+    def seen_rounds(self, greedy: bool) -> int:
+        """Rounds of a regime observed so far, chains and trees, not decayed (``chain_rounds`` is: after exactly
+        n rounds it reads a little under n)."""
+        return self._seen.get(greedy, 0)
 
     def tree_rounds(self, greedy: bool) -> float:
         c = self._engine.get((greedy, True))

@@ -87,7 +87,6 @@ class AdaptivePolicy:
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
-    _prefill: int = 0  # prompt tokens this step's target forward likely carries besides the rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
@@ -123,7 +122,12 @@ class AdaptivePolicy:
         return req.params.seed is not None and not req.params.greedy
 
     def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
-        self._prefill = prefill_tokens
+        # ``prefill_tokens`` is not priced: the plan is the one for a decode-only step. Priced beside the rounds,
+        # the prefill's seconds (which emit nothing) sat in every plan's denominator, so any candidate with a
+        # positive rate raised the step's: at batch 64, T=0.8 (long prompts, chunked) 24-54 decoding requests ran
+        # K = 7-8 in each of the 4 prefill steps, which took 3.3-6.2 s against 2.1 s for the same 2048 tokens
+        # without them (their candidates also take the token budget from the prompts, delaying them).
+        del prefill_tokens
         if self.forced is not None:
             return [self.forced[: self.base.cap(r)] for r in reqs]
         k = self.base.tree.depth
@@ -131,8 +135,7 @@ class AdaptivePolicy:
         views = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: v.cap] for v in views]
         self._cost = self._regime_cost(views)
-        known = {g: self.acceptance.chain_rounds(g) >= self.min_rounds for g in (False, True)}
-        pin = [self.pinned(r) or not known[r.params.greedy] for r in reqs]
+        pin = self._pins(reqs)
         self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
         rs = [v for v, p in zip(views, pin, strict=True) if not p]
         if not rs or not self._cost.ready:
@@ -140,6 +143,23 @@ class AdaptivePolicy:
         chosen = self._plan_free(rs, [f for f, p in zip(fixed, pin, strict=True) if not p])
         it = iter(chosen)
         return [f if p else next(it) for f, p in zip(fixed, pin, strict=True)]
+
+    def _pins(self, reqs: Sequence[Request]) -> list[bool]:
+        """Which rounds run the configured shape: seeded sampled requests, and in a regime with fewer than
+        ``min_rounds`` rounds seen, just enough of the others to see them this step. Pinning every request of a
+        new regime cost one step of 32 x K_max candidates at batch 32 (460 ms, 10 % of a short benchmark run,
+        where the planned step took 80-250 ms); the rest are planned from the prior and see their own rates
+        from the next step on."""
+        pin = [self.pinned(r) for r in reqs]
+        need = {g: self.min_rounds - self.acceptance.seen_rounds(g) for g in (False, True)}
+        for r, p in zip(reqs, pin, strict=True):
+            if p:  # its rounds run the configured shape anyway: they count towards the regime's
+                need[r.params.greedy] -= 1
+        for i, r in enumerate(reqs):
+            if not pin[i] and need[r.params.greedy] > 0:
+                pin[i] = True
+                need[r.params.greedy] -= 1
+        return pin
 
     def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""
@@ -171,7 +191,7 @@ class AdaptivePolicy:
         if self._cost is None:
             self._cost = self._regime_cost(rs)
         tokens = 0.0
-        verify = self._prefill
+        verify = 0
         forwards: list[int] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
@@ -206,7 +226,12 @@ class AdaptivePolicy:
         verify = sum(r.inflight for r in rs) + self._pinned_verify()
         tokens = float(len(rs)) + pinned.tokens
         fixed_s = self._cost.state(len(rs) + len(self._pinned))
-        verify_cost, draft_cost, call_cost = self._cost.verify, self._cost.draft, self._cost.draft_call
+        nseqs = len(rs) + len(self._pinned)  # every plan of this step has them all: one curve of the verify's
+        draft_cost, call_cost = self._cost.draft, self._cost.draft_call
+
+        def verify_cost(tokens: int) -> float:
+            return self._cost.verify_seconds(tokens, nseqs)
+
         # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
         # per-step cost: re-pricing all K forwards at every prefix was most of it).
         fwd_s = [draft_cost(f) if f > 0 else 0.0 for f in forwards]
@@ -243,8 +268,8 @@ class AdaptivePolicy:
         return self.price(rs, [(1,) * d for d in depths])
 
     def _pinned_verify(self) -> int:
-        """Target tokens of the step that the plan does not choose: the pinned rounds', and prefill chunks."""
-        return self._prefill + sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
+        """Target tokens of the step that the plan does not choose: the pinned rounds'."""
+        return sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
 
     def _pinned_forwards(self) -> list[int]:
         forwards: list[int] = []

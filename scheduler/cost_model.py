@@ -4,7 +4,14 @@ A step costs ``draft + verify + state`` seconds (engine/metrics.py ``StepTimes``
 way). Each part is a measured curve, not an assumed formula:
 
 - ``verify``: seconds of the target call vs the tokens it forwards (in-flight tokens + tree nodes + prefill);
-  flat while the target is memory-bound, rising once the batch fills the compute units;
+  flat while the target is memory-bound, rising once the batch fills the compute units. The same tokens cost
+  more spread over more sequences (each reads its own context, samples its own rows): a target call of 32 tokens
+  took 33.4 ms of CPU as 32 sequences x 1 and 23.8 as 8 x 4 greedy, 34.8 and 28-33 at T = 0.8 (built-in pair,
+  ``python -m engine.benchmarks.verify_seqs``). One curve over tokens mixes the two, and the plain plan of a
+  batch of 32 was priced from a batch of 8's cheaper 32-token steps. So each
+  log2 bucket of the sequence count keeps its own curve (``verify_by_seqs``): a plan, whose sequences are the
+  batch's at every depth, is priced on its batch's curve, and past that curve's measured sizes on the shape of
+  the all-steps curve, scaled to meet it;
 - ``draft``: seconds of one draft forward vs the tokens it carries; a round of depth D costs D forwards, the
   f-th one over the requests still deeper than f (a chain of K forwards its in-flight tokens, then levels
   1..K-1; the deepest level is never forwarded);
@@ -74,6 +81,17 @@ class Curve:
     def ready(self) -> bool:
         return bool(self.points)
 
+    def scaled(self, x: float, shape: Curve) -> float:
+        """Predicted seconds at ``x``: this curve within its measured sizes; beyond them ``shape`` (a curve with
+        more sizes), scaled to meet this one at its nearest measured end."""
+        xs = [p.x for p in self.points.values()]
+        lo, hi = min(xs), max(xs)
+        end = lo if x < lo else hi if x > hi else None
+        if end is None:
+            return self(x)
+        ref = shape(end)
+        return self(end) * shape(x) / ref if ref > 0 else self(x)
+
     def __call__(self, x: float) -> float:
         """Predicted seconds at ``x`` (0 for x <= 0)."""
         if x <= 0 or not self.points:
@@ -130,6 +148,7 @@ class CostModel:
     draft: Curve = field(default_factory=Curve)  # one forward
     state: Curve = field(default_factory=Curve)
     draft_call: Curve = field(default_factory=Curve)  # the draft call's fixed part vs requests drafted
+    verify_by_seqs: dict[int, Curve] = field(default_factory=dict)  # bucket(sequences) -> verify seconds vs tokens
 
     @property
     def ready(self) -> bool:
@@ -138,6 +157,8 @@ class CostModel:
 
     def observe(self, s: StepSample) -> None:
         self.verify.observe(s.verify_tokens, s.verify_s)
+        if s.num_seqs > 0:
+            self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(s.verify_tokens, s.verify_s)
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:
             # The forwards of one call cannot be timed apart: charge each the mean, at its mean size.
@@ -148,7 +169,16 @@ class CostModel:
         self.state.observe(s.num_seqs, s.state_s)
 
     def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:
-        return (self.verify(verify_tokens) + self.draft_seconds(draft_forward_tokens) + self.state(num_seqs))
+        return (self.verify_seconds(verify_tokens, num_seqs) + self.draft_seconds(draft_forward_tokens)
+                + self.state(num_seqs))
+
+    def verify_seconds(self, verify_tokens: float, num_seqs: int) -> float:
+        """The target call forwarding these tokens for this many sequences: the curve of steps with about as many
+        sequences where it has measured any, the all-steps curve otherwise."""
+        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
+        if c is None or not c.points or verify_tokens <= 0:
+            return self.verify(verify_tokens)
+        return c.scaled(verify_tokens, self.verify)
 
     def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
         """The draft call of a step with these forwards (0 without any)."""

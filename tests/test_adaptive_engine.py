@@ -82,3 +82,43 @@ def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> Non
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
     with LLM(llama.target, None, block_size=4) as plain:
         assert got == [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+
+
+def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llama, monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    """A step where every round is plain (K = 0) does not call the draft; the commits and dropped ids it would
+    have carried go with the next call. Rounds alternate plain and speculative here (the draft's lag caught up
+    each time), requests finish between calls, and greedy output equals the target's without speculation."""
+    llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4)
+    engine = llm.engine
+    policy = engine.scheduler.policy
+    steps = {"plain": 0, "drafting": 0}
+    plans = []
+
+    def plan(reqs, prefill_tokens=0):
+        plans.append(len(reqs))
+        speculate = len(plans) % 3 == 0  # two plain steps, then one that drafts
+        return [(1,) * min(K, policy.base.cap(r)) if speculate else () for r in reqs]
+
+    calls = []
+    submit = engine.executor.submit_draft
+    monkeypatch.setattr(policy, "plan", plan)
+    monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
+    step = engine._step
+
+    def counted() -> None:
+        batch_before = len(calls)
+        step()
+        steps["drafting" if len(calls) > batch_before else "plain"] += 1
+
+    monkeypatch.setattr(engine, "_step", counted)
+    greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 17, 24)]
+    got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    got += [o.token_ids for o in llm.generate(PROMPTS[:2], greedy[:2])]  # the first batch's dropped ids travel
+    llm.shutdown()
+    assert steps["plain"] >= 10 and all(m.seqs or m.prefills for m in calls), (steps, len(calls))
+    assert any(m.finished for m in calls)
+    with LLM(llama.target, None, block_size=4) as plain:
+        want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+        want += [o.token_ids for o in plain.generate(PROMPTS[:2], greedy[:2])]
+    assert got == want

@@ -268,17 +268,21 @@ def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -
 
 
 # ------------------------------------------------------------------------ a prefill chunk in the same step
-def test_a_prefill_in_the_same_step_is_priced() -> None:
-    """Beside a 256-token prefill chunk the target is past its flat region anyway: the candidates of a decoding
-    request cost their marginal tokens, not the jump from a 1-token step to a 9-token one. Verify: flat 10 ms to
-    8 tokens, then +1 ms per 8 tokens; a step with candidates needs a draft call (8 ms fixed)."""
-    p = policy(costs(verify=lambda n: 10 * MS + max(0, n - 8) * MS / 8, draft=lambda n: 0.1 * MS))
-    p.cost.draft_call = curve(lambda n: 8 * MS)
-    reqs = requests(1)
-    teach(p, reqs[0], 0.35)
-    assert p.plan(reqs) == [()]  # alone: 1 token in 10 ms beats ~1.5 tokens in 18 ms
+def test_a_prefill_in_the_same_step_does_not_make_deep_chains_look_free() -> None:
+    """Beside a 2048-token prefill chunk the plan is the decode-only step's. Priced with the prefill, whose 2 s
+    emit nothing, every candidate with a positive rate raised the step's tokens per second, and a batch of 32
+    ran K = 8 (measured at batch 64, T=0.8: prefill steps of 3.3-6.2 s instead of 2.1 s). CPU-like costs:
+    verify 30 ms to 32 tokens, then 1 ms per token; a draft forward 1 ms + 0.3 ms per token."""
+    sizes = tuple(2 ** i for i in range(13))  # to 4096: every size of both plans measured (no exploration step)
+    p = policy(CostModel(verify=curve(lambda n: 30 * MS + max(0, n - 32) * MS, sizes),
+                         draft=curve(lambda n: 1 * MS + 0.3 * MS * n, sizes), state=curve(lambda n: 0.05 * MS)))
+    reqs = requests(32, greedy=False)
+    for r in reqs:
+        teach(p, r, 0.8, seed=r.seq_id)
+    alone = p.plan(reqs)
+    assert max(len(s) for s in alone) <= 2, alone
     p._last.clear()
-    assert len(p.plan(reqs, prefill_tokens=256)[0]) > 0  # beside the prefill: 1 in 41 ms vs ~1.5 in 50 ms
+    assert p.plan(reqs, prefill_tokens=2048) == alone
 
 
 def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
@@ -325,3 +329,64 @@ def test_a_regime_without_measured_rounds_runs_the_configured_depth() -> None:
     p._last.clear()
     teach(p, reqs[0], 0.97, rounds=10)
     assert len(p.plan(reqs)[0]) >= 6
+
+
+def test_a_new_regime_pins_only_the_rounds_it_needs_to_learn() -> None:
+    """At batch 32 in a regime not seen yet, ``min_rounds`` requests run the configured depth (its rates are
+    measured from them); the others are planned (here: K = 0, the costs being compute-bound). Pinning all 32
+    made that step cost 32 x K_max candidates. (With those pinned rounds' cost in the step, one more candidate
+    of the prior's rate can pay for itself; nothing deeper does.)"""
+    p = policy(costs(**COMPUTE_BOUND))
+    reqs = requests(32)
+    shapes = p.plan(reqs)
+    assert shapes[: p.min_rounds] == [(1,) * K_MAX] * p.min_rounds
+    assert all(len(s) <= 1 for s in shapes[p.min_rounds:]), shapes
+
+
+def test_a_regime_is_known_after_exactly_min_rounds_rounds_even_of_the_configured_tree() -> None:
+    """``min_rounds`` rounds of the configured shape make the regime known: counted undecayed (the decayed
+    count of 8 rounds is 7.86, which cost a second step at K_max), and a configured tree's rounds count too
+    (counting chain rounds only kept a tree configuration pinned forever)."""
+    for branching in ((1,) * K_MAX, (2, 1, 1)):
+        p = policy(costs(**COMPUTE_BOUND), branching=branching)
+        reqs = requests(8)
+        assert p.plan(reqs) == [branching] * 8
+        for r in reqs:
+            teach(p, r, 0.6, rounds=1, seed=r.seq_id, branching=branching)
+        assert p.plan(reqs) == [()] * 8, branching
+
+
+def _step(seqs: int, depth: int, verify_ms, draft_ms) -> StepSample:
+    """A measured chain step: ``seqs`` rounds of ``depth`` under these costs (state free)."""
+    tokens = seqs * (depth + 1)
+    fwd = [seqs] * depth
+    d = sum(draft_ms(n) for n in fwd) * MS
+    return StepSample(tokens, verify_ms(tokens, seqs) * MS, fwd, d, False, seqs, 0.0, draft_worker_s=d)
+
+
+def test_the_verify_is_priced_at_the_batchs_sequence_count() -> None:
+    """32 tokens cost more as 32 sequences x 1 than as 8 x 4 (measured: 33.4 vs 23.8 ms CPU, greedy; the costs
+    here exaggerate it). With one curve over
+    tokens, steps of a batch of 8 (8 x 4 = 32 tokens) put a false bend in the curve of a batch of 32 (its
+    32-token point 40 ms instead of 112): planned on it, every request ran K = 8, where K = 1-2 is best."""
+    def verify_ms(tokens, seqs):
+        return 3.0 * seqs + 0.5 * tokens
+
+    def draft_ms(n):
+        return 0.5 + 0.4 * n
+
+    cost = CostModel()
+    for _ in range(3):
+        for depth in range(4):
+            cost.observe(_step(32, depth, verify_ms, draft_ms))
+    for _ in range(6):  # a batch of 8 running K = 3 since: 32 tokens each step
+        cost.observe(_step(8, 3, verify_ms, draft_ms))
+    assert cost.verify_seconds(32, 32) == pytest.approx(112 * MS, rel=0.05)
+    assert cost.verify_seconds(32, 8) == pytest.approx(40 * MS, rel=0.05)
+    p = policy(cost)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.6, seed=r.seq_id)
+    shapes = p.plan(reqs)
+    depths = sorted(len(s) for s in shapes)
+    assert sum(d > 0 for d in depths) >= 28 and depths[-1] <= 3, depths  # the request-own rates vary a little

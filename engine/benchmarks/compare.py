@@ -59,6 +59,9 @@ class Row:
     batch: int
     tokens: int = 0  # per repeat
     seconds: list[float] = field(default_factory=list)  # one per repeat
+    # This process's CPU seconds per repeat (all its threads): on a machine shared with other work the wall time
+    # swings 3x within minutes, the CPU time much less (the engine's CPU path is one thread at a time).
+    cpu_seconds: list[float] = field(default_factory=list)
     acceptance_length: list[float] = field(default_factory=list)
     acceptance_rate: list[float] = field(default_factory=list)
     breakdown: dict | None = None  # the engine's StepTimes of the last repeat
@@ -72,9 +75,14 @@ class Row:
     def tok_s(self) -> float:
         return self.tokens / statistics.median(self.seconds) if self.seconds else 0.0
 
+    @property
+    def tok_cpu_s(self) -> float:
+        return self.tokens / statistics.median(self.cpu_seconds) if self.cpu_seconds else 0.0
+
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "outputs"}
-        return {**d, "tok_s": self.tok_s, "cycle_model": cycle_model(self), "draft_hidden_bound_tok_s":
+        return {**d, "tok_s": self.tok_s, "tok_cpu_s": self.tok_cpu_s, "cycle_model": cycle_model(self),
+                "draft_hidden_bound_tok_s":
                 hidden_bound(self) if self.mode in ("specserve_chain", ALL_CORES_MODE) else None}
 
 
@@ -345,12 +353,14 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
             for rep in range(args.repeats):
                 for m, fn in runs.items():
                     row = group_rows[m]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     out = fn(row)
                     row.seconds.append(time.perf_counter() - t0)
+                    row.cpu_seconds.append(time.process_time() - c0)
                     row.tokens, row.outputs = sum(len(o) for o in out), out
                     print(f"  T={temp} batch={batch} repeat {rep + 1}/{args.repeats} {m:<24} "
-                          f"{row.tokens / row.seconds[-1]:8.1f} tok/s", flush=True)
+                          f"{row.tokens / row.seconds[-1]:8.1f} tok/s {row.tokens / row.cpu_seconds[-1]:8.1f} "
+                          f"tok/cpu-s  load {os.getloadavg()[0]:.1f}", flush=True)
             ref = group_rows.get("hf_generate")
             if ref is not None and is_greedy(temp):
                 for row in group_rows.values():
@@ -417,6 +427,16 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
                 table = pipe.get(f"hit_rate_by_{what}") or {}
                 print(f"      hit rate by {what}: " + ", ".join(
                     f"{k}: {v['hit_rate']:.2f} ({v['rounds']})" for k, v in table.items()))
+    print("\ntokens per CPU-second of this process (median of repeats; steadier than tok/s on a shared machine):")
+    for r in rows:
+        same = [x for x in rows if (x.temperature, x.batch) == (r.temperature, r.batch) and x.tok_cpu_s]
+        base = next((x for x in same if x.mode == "specserve_nospec"), None)
+        fixed = [x for x in same if x.mode.startswith(FIXED_K_MODE) or x.mode == "specserve_chain"]
+        best = max(fixed, key=lambda x: x.tok_cpu_s, default=None)
+        vs = f"  {r.tok_cpu_s / base.tok_cpu_s:.2f}x nospec" if base is not None and base is not r else ""
+        if best is not None and r.mode == "specserve_adaptive":
+            vs += f"  {r.tok_cpu_s / best.tok_cpu_s:.2f}x best fixed K ({best.mode})"
+        print(f"  T={r.temperature} b={r.batch:<3} {r.mode:<24} {r.tok_cpu_s:8.1f}{vs}")
     adaptive = [r for r in rows if r.mode == "specserve_adaptive" and r.chosen_depths]
     if adaptive:
         print("\nK chosen by the adaptive policy (rounds per depth, last repeat; plain-decode rounds are '0'):")
