@@ -110,6 +110,7 @@ class SequentialDrafter:
     """
 
     calls: DraftCalls
+    lazy_prefill: bool = False  # prompt chunks are not sent: the first round feeds the prefix (Scheduler's flag)
     _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
     _gone: list[int] = field(default_factory=list)  # finished/preempted, dropped by the worker with the next call
@@ -119,7 +120,7 @@ class SequentialDrafter:
             self._commits.pop(s, None)
         self._gone += gone
         self._inflight.clear()
-        msg = DraftStep(prefills=self.calls.prefills(batch))
+        msg = DraftStep(prefills=[] if self.lazy_prefill else self.calls.prefills(batch))
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             if shape:  # the scheduler's policy chose this round's branching
                 msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))

@@ -97,7 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
-                                   policy=policy)
+                                   policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
+                                   and not spec.pipeline)
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
@@ -126,7 +127,7 @@ class LLMEngine:
             self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
             self.pipeline.switch.enabled = spec.pipeline_switch
             return self.pipeline
-        return SequentialDrafter(calls)
+        return SequentialDrafter(calls, lazy_prefill=self.scheduler.lazy_draft_prefill)
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,

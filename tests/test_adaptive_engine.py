@@ -122,3 +122,33 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
         want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
         want += [o.token_ids for o in plain.generate(PROMPTS[:2], greedy[:2])]
     assert got == want
+
+
+def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, monkeypatch: pytest.MonkeyPatch
+                                                                        ) -> None:
+    """An adaptive engine does not prefill the draft: at saturation it plans K = 0 for everyone and the draft's
+    prefill would be work for nothing. Planned plain throughout, the draft is never called; a request that starts
+    speculating later feeds the draft its whole prefix in its first round, and greedy output stays the target's
+    (a draft that skipped the prompt would propose from the wrong context: fewer accepted tokens, caught below)."""
+    llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4)
+    engine = llm.engine
+    policy = engine.scheduler.policy
+    assert engine.scheduler.lazy_draft_prefill
+    calls = []
+    submit = engine.executor.submit_draft
+    monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
+    speculate = {"on": False}
+    monkeypatch.setattr(policy, "plan", lambda reqs, prefill_tokens=0: [
+        (1,) * min(K, policy.base.cap(r)) if speculate["on"] else () for r in reqs])
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert calls == []  # no prefill, no rounds: the draft did nothing
+    speculate["on"] = True
+    spec_out = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert all(not m.prefills for m in calls) and calls[0].seqs[0].base_len == 0  # the whole prefix, in a round
+    accepted = engine.stats.as_dict()["mean_acceptance_length"]
+    llm.shutdown()
+    with LLM(llama.target, None, block_size=4) as ref:
+        want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
+    assert plain == want and spec_out == want
+    assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the prompt
