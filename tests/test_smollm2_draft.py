@@ -33,6 +33,32 @@ def test_quick_stage_builds_a_servable_trimmed_draft(tmp_path) -> None:
     assert stats["labels"] == "hard" and stats["steps"] >= 1 and stats["loss_last10"] > 0
     assert os.path.getsize(out / "model.safetensors") < 100_000
 
+    # Prefill distillation: the target's top-k labels on its answers and on local text, then KL from the shards.
+    for source, dtype in (("gen", "fp32"), ("text", "bf16")):
+        smollm2_draft.main(["label", "--quick", "--source", source, "--target", target, "--work", str(work),
+                            "--minutes", "1", "--label-dtype", dtype])
+    for source in ("gen", "text"):
+        ls = json.loads((work / f"label_{source}_stats.json").read_text())
+        assert ls["sequences"] > 0 and ls["labelled_positions"] > 0, ls
+    labelled = smollm2_draft._read_labels(work, ["gen"])["gen"]
+    assert 0 < len(labelled) <= len(rows) and all(len(s["top_ids"]) == int(s["mask"].sum()) for s in labelled)
+    # The labels sit at the right positions: in a greedy answer, the target's top-1 at each labelled position is
+    # the token the engine chose next (fp32 target here, so the engine's greedy == transformers' argmax).
+    greedy = {tuple(r["prompt_ids"] + r["answer_ids"]): r for r in rows if r["temperature"] == 0.0}
+    checked = 0
+    for s in labelled:
+        r = next((g for k, g in greedy.items() if k[:len(s["ids"])] == tuple(s["ids"].tolist())), None)
+        if r is not None:
+            assert s["ids"][1:][s["mask"][:-1]].tolist() == s["top_ids"][:, 0].tolist()
+            checked += 1
+    assert checked >= 5
+    smollm2_draft.main(["distill", "--quick", "--labels", "topk", "--sources", "text,gen,genhard", "--repeat",
+                        "gen=2", "--bf16", "--target", target, "--work", str(work), "--out", str(out),
+                        "--minutes", "1"])
+    stats = json.loads((work / "distill_stats.json").read_text())
+    assert stats["labels"] == "topk" and stats["steps"] == 3 and stats["loss_last10"] >= 0
+    assert set(stats["heldout_agreement_after"]) == {"gen", "text", "genhard"}
+
     smollm2_draft.main(["measure", "--quick", "--target", target, "--work", str(work), "--out", str(out),
                         "--speed-prompts", "2"])
     m = json.loads((work / "measure.json").read_text())
