@@ -96,13 +96,13 @@ class TestOneNodeWithNineGPUs:
             assert all(len(w["gpu_ids"]) == 1 for w in workers)
             assert len({w["gpu_ids"][0] for w in workers}) == 9
             assert {w["device"] for w in workers} == {"cpu"}
-            greedy, sampled = generate(llm)
+            # Greedy only: seeded sampling through Ray == in-process is tests/test_ray_executor.py's (TP 2 and 4),
+            # and TP 8 greedy on real weights is tests/test_default_models_tp.py's; this test is about placement.
+            greedy = [o.token_ids for o in llm.generate(TP_PROMPTS, GREEDY)]
         finally:
             llm.shutdown()
         assert ray_leftovers(workers) == []
         assert greedy == tp_models.expected
-        local = LLM(tp_models.target, draft_config(tp_models, TREE), distributed_executor_backend="uni")
-        assert (greedy, sampled) == generate(local)
 
     def test_more_gpus_than_the_cluster_has_is_refused(self, tp_models: TPModels) -> None:
         message, seconds = refused(tp_models, speculative_config=draft_config(

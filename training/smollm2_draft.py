@@ -356,9 +356,29 @@ def _batches(rows: list[dict], batch: int, seq_len: int, rng: random.Random):
             yield ids, mask, order[b: b + batch]
 
 
+def _train_step(opt: torch.optim.Optimizer, student: torch.nn.Module, loss: torch.Tensor, lr: float,
+                losses: list[float]) -> None:
+    """One clipped optimizer step at learning rate ``lr``; the loss is appended to ``losses``."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+    opt.step()
+    losses.append(float(loss.detach()))
+
+
+def _save_student(student: torch.nn.Module, out: Path) -> None:
+    """fp16 safetensors without the head: it is tied to the embedding."""
+    from safetensors.torch import save_file
+
+    sd = {k: v.detach().to(torch.float16).contiguous() for k, v in student.state_dict().items()
+          if k != "lm_head.weight"}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
 def distill(target: str, work: Path, out: Path, minutes: float, steps: int, batch: int, seq_len: int,
             lr: float, labels: str = "soft") -> dict:
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from workers.vocab_map import DraftVocabMap
@@ -405,20 +425,13 @@ def distill(target: str, work: Path, out: Path, minutes: float, steps: int, batc
                 continue
             loss = torch.nn.functional.cross_entropy(s_logits[on_map], local[nxt][on_map])
         frac = min(1.0, (time.perf_counter() - start) / budget, step / max(1, steps))
-        for g in opt.param_groups:  # cosine decay by the larger of time and step progress
-            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * frac))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        # cosine decay by the larger of time and step progress
+        _train_step(opt, student, loss, lr * 0.5 * (1 + math.cos(math.pi * frac)), losses)
         step += 1
         if step % 10 == 0 or step == 1:
             print(f"distill: step {step} loss {sum(losses[-10:]) / len(losses[-10:]):.4f} "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
-    sd = {k: v.detach().to(torch.float16).contiguous() for k, v in student.state_dict().items()
-          if k != "lm_head.weight"}  # tied: the head is the embedding
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_student(student, out)
     stats = {"distill_seconds": round(time.perf_counter() - start, 1), "steps": step, "batch": batch,
              "labels": labels,
              "seq_len": seq_len, "lr": lr, "loss_first10": round(sum(losses[:10]) / max(1, len(losses[:10])), 4),
@@ -608,7 +621,6 @@ def distill_topk(work: Path, out: Path, minutes: float, steps: int, batch: int, 
     """KL(p_target || q_draft) from the label shards (``label``): p = the target's top-k restricted to the draft's
     rows and renormalised. No target forward here, so every CPU second goes to the draft. Every 20th sequence of
     each source is held out for the agreement figures."""
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from workers.vocab_map import DraftVocabMap
@@ -647,21 +659,15 @@ def distill_topk(work: Path, out: Path, minutes: float, steps: int, batch: int, 
         keep = p.sum(-1) > 0  # [M]: positions whose top-k reaches the draft's rows
         loss = -(p * logq.gather(-1, rows)).sum(-1)[keep].mean() + (p * p.clamp_min(1e-30).log()).sum(-1)[keep].mean()
         frac = min(1.0, max((time.perf_counter() - t_train) / max(1.0, budget - (t_train - start)), step / steps))
-        for g in opt.param_groups:  # warm-up, then cosine decay by the larger of time and step progress
-            g["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        # warm-up, then cosine decay by the larger of time and step progress
+        _train_step(opt, student, loss, lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac)),
+                    losses)
         step += 1
         if step % 25 == 0 or step == 1:
             print(f"distill: step {step} loss {sum(losses[-25:]) / len(losses[-25:]):.4f} "
                   f"{time.perf_counter() - start:.0f}s", flush=True)
     agree = {src: round(_agreement(student, h, vmap, batch), 4) for src, h in held.items() if h}
-    sd = {k: v.detach().to(torch.float16).contiguous() for k, v in student.state_dict().items()
-          if k != "lm_head.weight"}  # tied: the head is the embedding
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_student(student, out)
     stats = {"distill_seconds": round(time.perf_counter() - start, 1), "steps": step, "batch": batch,
              "labels": "topk", "sources": sources, "repeat": repeat, "lr": lr, "bf16": bf16,
              "train_sequences": len(train), "train_positions": sum(int(s["mask"].sum()) for s in train),
