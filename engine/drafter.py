@@ -141,10 +141,16 @@ class SequentialDrafter:
     def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
         cached = {}
         for r, tree, res in zip(batch.rounds, trees, out.results, strict=True):
-            if r.seq_id not in self._inflight:
-                continue
-            base, u = self._inflight[r.seq_id]
-            kept = res.accepted_nodes[: tree.kv_depth]  # the deepest level was never forwarded: no draft KV
-            self._commits[r.seq_id] = DraftCommit(r.seq_id, u, kept)
-            cached[r.seq_id] = base + u + len(kept)
+            if r.seq_id in self._inflight:
+                self._commits[r.seq_id], cached[r.seq_id] = keep_drafted(r.seq_id, *self._inflight[r.seq_id],
+                                                                         tree, res.accepted_nodes)
         return cached
+
+
+def keep_drafted(seq_id: int, base_len: int, num_inflight: int, tree: DraftTree,
+                 accepted_nodes: list[int]) -> tuple[DraftCommit, int]:
+    """After a round drafted from ``base_len`` (``num_inflight`` tokens fed, then the tree): the draft KV to keep
+    (the in-flight tokens and the accepted nodes that were forwarded; the deepest level never was) and the draft's
+    committed length after it."""
+    kept = accepted_nodes[: tree.kv_depth]
+    return DraftCommit(seq_id, num_inflight, kept), base_len + num_inflight + len(kept)

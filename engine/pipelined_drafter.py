@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.drafter import NO_TREE, DraftCalls
+from engine.drafter import NO_TREE, DraftCalls, keep_drafted
 from engine.metrics import SpecDecodingStats
 from engine.pipeline_switch import PipelineSwitch, regime
 from scheduler.scheduler import ScheduledBatch
@@ -326,11 +326,9 @@ class PipelinedDrafter:
         for r, tree, res in zip(batch.rounds, trees, out.results, strict=True):
             pre = self._inflight.pop(r.seq_id, None)
             if pre is None and r.seq_id in self._redrafted:  # no pre-draft: the re-draft's scratch is the
-                #   worker's last for this sequence; keep its in-flight tokens and accepted forwarded nodes
-                base, u = self._redrafted[r.seq_id]
-                kept = res.accepted_nodes[: tree.kv_depth]  # the deepest level was never forwarded
-                self._commits[r.seq_id] = DraftCommit(r.seq_id, u, kept)
-                cached[r.seq_id] = base + u + len(kept)
+                #   worker's last for this sequence; keep it as the sequential drafter does
+                self._commits[r.seq_id], cached[r.seq_id] = keep_drafted(r.seq_id, *self._redrafted[r.seq_id],
+                                                                         tree, res.accepted_nodes)
                 continue
             if pre is None or pre.result is None:
                 continue
