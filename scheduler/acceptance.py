@@ -95,19 +95,10 @@ class AcceptanceTracker:
             return prior[:depth]
         return [own.rate(j, prior[j], self.prior_weight) for j in range(depth)]
 
-    def chain_rounds(self, greedy: bool) -> float:
-        """The engine's (decayed) count of chain rounds in a regime."""
-        c = self._engine.get((greedy, False))
-        return c.rounds() if c is not None else 0.0
-
     def seen_rounds(self, greedy: bool) -> int:
-        """Rounds of a regime observed so far, chains and trees, not decayed (``chain_rounds`` is: after exactly
-        n rounds it reads a little under n)."""
+        """Rounds of a regime observed so far, chains and trees, not decayed (the decayed per-position counts read
+        a little under n after exactly n rounds)."""
         return self._seen.get(greedy, 0)
-
-    def tree_rounds(self, greedy: bool) -> float:
-        c = self._engine.get((greedy, True))
-        return c.rounds() if c is not None else 0.0
 
 
 def expected_tokens(rates: list[float], depth: int) -> float:

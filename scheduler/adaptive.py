@@ -121,13 +121,13 @@ class AdaptivePolicy:
         """A seeded sampled request runs the configured shape every round: its output must not depend on timing."""
         return req.params.seed is not None and not req.params.greedy
 
-    def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
-        # ``prefill_tokens`` is not priced: the plan is the one for a decode-only step. Priced beside the rounds,
-        # the prefill's seconds (which emit nothing) sat in every plan's denominator, so any candidate with a
-        # positive rate raised the step's: at batch 64, T=0.8 (long prompts, chunked) 24-54 decoding requests ran
-        # K = 7-8 in each of the 4 prefill steps, which took 3.3-6.2 s against 2.1 s for the same 2048 tokens
-        # without them (their candidates also take the token budget from the prompts, delaying them).
-        del prefill_tokens
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+        # A prompt chunk in the same step is not priced (the policy is not told of it): the plan is the one for a
+        # decode-only step. Priced beside the rounds, the prefill's seconds (which emit nothing) sat in every plan's
+        # denominator, so any candidate with a positive rate raised the step's: at batch 64, T=0.8 (long prompts,
+        # chunked) 24-54 decoding requests ran K = 7-8 in each of the 4 prefill steps, which took 3.3-6.2 s against
+        # 2.1 s for the same 2048 tokens without them (their candidates also take the token budget from the
+        # prompts, delaying them).
         if self.forced is not None:
             return [self.forced[: self.base.cap(r)] for r in reqs]
         k = self.base.tree.depth

@@ -19,7 +19,6 @@ job runs; preemption victims are always chosen lowest priority first.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -173,7 +172,7 @@ class Scheduler:
         # The policy shapes every round at once: the best depth of one request depends on the others' (they
         # share the verify and draft forwards).
         shapes = ([()] * len(decoding) if self.policy is None
-                  else self.policy.plan(decoding, self._pending_prefill()))
+                  else self.policy.plan(decoding))
         for req, shape in zip(decoding, shapes, strict=True):
             if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
                 continue
@@ -231,13 +230,6 @@ class Scheduler:
             self._preempt(victim)
             return self.schedule()
         return out
-
-    def _pending_prefill(self) -> int:
-        """Prompt tokens this step will likely forward beside the rounds (the policy prices its candidates on top:
-        next to a prefill chunk they cost less than in a decode-only step)."""
-        slots = self.config.max_num_seqs - len(self.running)
-        pending = [r for r in self.running if r.is_prefilling] + list(itertools.islice(self.waiting, max(0, slots)))
-        return min(self.config.max_num_batched_tokens, sum(r.prefill_end - r.num_cached_target for r in pending))
 
     def _max_fit(self, req: Request, start: int, end: int) -> int:
         lo, hi = 0, end - start

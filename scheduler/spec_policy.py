@@ -82,8 +82,7 @@ class SpecPolicy:
     def cap(self, req: Request) -> int:
         return self.depth(req.num_tokens, req.remaining_tokens)
 
-    def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
-        """``prefill_tokens``: prompt tokens the same step will likely forward (an adaptive policy prices them)."""
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
         return [self.tree.branching[: self.cap(r)] for r in reqs]
 
     # What adaptive policies learn from; the fixed ones ignore it.
@@ -111,6 +110,6 @@ class BatchSizeSchedule(SpecPolicy):
                 k = depth
         return k
 
-    def plan(self, reqs: Sequence[Request], prefill_tokens: int = 0) -> list[tuple[int, ...]]:
+    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
         k = self.depth_for_batch(len(reqs))
         return [self.tree.branching[: min(k, self.cap(r))] for r in reqs]

@@ -197,8 +197,8 @@ def random_plans(monkeypatch, seed: int = 0) -> None:
     rng = random.Random(seed)
     real = AdaptivePolicy.plan
 
-    def plan(self, reqs, prefill_tokens=0):
-        real(self, reqs, prefill_tokens)  # keeps its bookkeeping exercised
+    def plan(self, reqs):
+        real(self, reqs)  # keeps its bookkeeping exercised
         tree = self.base.tree.branching
         out = []
         for r in reqs:

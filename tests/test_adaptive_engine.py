@@ -95,7 +95,7 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     steps = {"plain": 0, "drafting": 0}
     plans = []
 
-    def plan(reqs, prefill_tokens=0):
+    def plan(reqs):
         plans.append(len(reqs))
         speculate = len(plans) % 3 == 0  # two plain steps, then one that drafts
         return [(1,) * min(K, policy.base.cap(r)) if speculate else () for r in reqs]
@@ -138,7 +138,7 @@ def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, m
     submit = engine.executor.submit_draft
     monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
     speculate = {"on": False}
-    monkeypatch.setattr(policy, "plan", lambda reqs, prefill_tokens=0: [
+    monkeypatch.setattr(policy, "plan", lambda reqs: [
         (1,) * min(K, policy.base.cap(r)) if speculate["on"] else () for r in reqs])
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
