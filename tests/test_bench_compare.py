@@ -39,6 +39,27 @@ def test_random_pair_draft_is_the_targets_first_layer(tmp_path) -> None:
     assert {r["mode"] for r in rows} == {"specserve_nospec", "specserve_adaptive"} and all(r["tok_s"] > 0 for r in rows)
 
 
+def _greedy_agreement(target: str, draft: str) -> float:
+    """How often the draft's greedy pick equals the target's along the target's own greedy continuation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t, d = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (target, draft))
+    prompts = torch.randint(3, t.config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        seq = t.generate(prompts, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        picks_t, picks_d = (m(seq).logits[:, 7:-1].argmax(-1) for m in (t, d))
+    return (picks_t == picks_d).float().mean().item()
+
+
+def test_random_pair_draft_accepts(tmp_path) -> None:
+    # Adaptive speculation on a larger shape needs a pair whose draft agrees with the target often; an unscaled
+    # random target (deep_scale = head_scale = 1) disagrees with its own first layer nearly always.
+    accepting = _greedy_agreement(*make_random_pair(str(tmp_path / "a"), 256, 6, 2048))
+    plain = _greedy_agreement(*make_random_pair(str(tmp_path / "p"), 256, 6, 2048, deep_scale=1.0, head_scale=1.0))
+    assert accepting > 0.6 and plain < 0.3, (accepting, plain)
+
+
 @pytest.mark.parametrize("seeded", [True, False])
 def test_unseeded_runs_send_no_seed(seeded: bool) -> None:
     sent = []

@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_shape:
         from engine.benchmarks.random_pair import make_random_pair, parse_shape
 
-        args.target, args.draft = make_random_pair(os.path.join(args.random_dir, args.random_shape.replace(",", "x")),
-                                                   *parse_shape(args.random_shape))
+        pair_dir = os.path.join(args.random_dir, args.random_shape.replace(",", "x") + "-accepting")
+        args.target, args.draft = make_random_pair(pair_dir, *parse_shape(args.random_shape))
         args.prompts = None  # no tokenizer, another vocabulary: random prompt ids
     if args.target is None or args.draft is None:
         t, d = default_model_dirs()
