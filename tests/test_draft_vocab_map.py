@@ -153,3 +153,31 @@ def test_smollm2_short_name_takes_its_shipped_draft(tmp_path, monkeypatch: pytes
     assert EngineArgs(target="smollm2", speculative_config="none").to_engine_config().speculative is None
     assert EngineArgs(target="smollm2", speculative_config={"model": "smollm2"}).to_engine_config(
     ).speculative.model == gguf
+
+
+def test_full_vocab_view_for_transformers_assisted_generation(greedy_pair) -> None:
+    """``bench compare``'s transformers baselines take the trimmed draft through ``full_vocab_view``: full ids in,
+    the draft's own logits at its mapped ids and -inf elsewhere out, so assisted generation proposes from the same
+    law as the engine's draft worker (and its greedy output is the target's)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.benchmarks.compare import full_vocab_view
+
+    target_dir, draft_dir = greedy_pair
+    vmap = DraftVocabMap.load(draft_dir)
+    raw = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
+    view = full_vocab_view(AutoModelForCausalLM.from_pretrained(draft_dir).eval(), draft_dir)
+    ids = torch.tensor([[3, int(vmap.ids[0]), 17, int(vmap.ids[5])]])  # [1, 4]: on and off the map
+    with torch.no_grad():
+        full = view(ids).logits  # [1, 4, VOCAB]
+        own = raw(vmap.local[ids]).logits  # [1, 4, Vd]
+    assert full.shape[-1] == VOCAB and torch.equal(full[..., vmap.ids], own)
+    off = torch.ones(VOCAB, dtype=torch.bool)
+    off[vmap.ids] = False
+    assert torch.isneginf(full[..., off]).all()
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        plain = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assisted = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, assistant_model=view)
+    assert torch.equal(plain, assisted)

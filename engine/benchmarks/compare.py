@@ -118,6 +118,7 @@ class HF:
             return AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw).to(device).eval()
 
         self.model, self.draft = load(target), load(draft)
+        self.draft = full_vocab_view(self.draft, draft)
         for m in (self.model, self.draft):
             m.generation_config.eos_token_id = None  # like ignore_eos: always max_new_tokens
             m.generation_config.pad_token_id = pad_id
@@ -141,6 +142,29 @@ class HF:
                 kw.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
                           assistant_confidence_threshold=0.0)
         return self.model.generate(ids, attention_mask=mask, **kw)[:, width:].tolist()
+
+
+def full_vocab_view(model: Any, path: str) -> Any:
+    """A draft with a trimmed vocabulary (``draft_vocab_map.json``) as transformers' assisted generation needs it:
+    full-vocabulary ids in, full-vocabulary logits out, ``-inf`` off the map (the law the engine's draft worker
+    proposes from, workers/vocab_map.py); any other model unchanged."""
+    from workers.vocab_map import DraftVocabMap
+
+    vmap = DraftVocabMap.load(path)
+    if vmap is None:
+        return model
+    base_forward = model.forward
+
+    def forward(input_ids: torch.Tensor | None = None, **kw: Any) -> Any:
+        out = base_forward(input_ids=None if input_ids is None else vmap.local.to(input_ids.device)[input_ids], **kw)
+        full = out.logits.new_full((*out.logits.shape[:-1], vmap.target_vocab_size), float("-inf"))  # [B, L, Vt]
+        full[..., vmap.ids.to(full.device)] = out.logits
+        out.logits = full
+        return out
+
+    model.forward = forward
+    model.config.vocab_size = vmap.target_vocab_size  # what assisted generation compares with the target's
+    return model
 
 
 def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
