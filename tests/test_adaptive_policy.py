@@ -128,7 +128,7 @@ def noisy_run(hysteresis: float, steps: int = 300) -> int:
     """How often the chosen depths change over ``steps`` steps of noisy costs and acceptance, near a tie."""
     rng = random.Random(7)
     cost = costs(verify=lambda n: 10 * MS + 0.8 * MS * n, draft=lambda n: 0.5 * MS)
-    p = policy(cost, hysteresis=hysteresis, explore_every=10**9)
+    p = policy(cost, hysteresis=hysteresis, explore_every=10**9, explore_min=10**9)  # no exploration
     reqs = requests(8)
     changes, last = 0, None
     for _ in range(steps):
@@ -165,6 +165,31 @@ def test_exploration_measures_the_unused_plan_again() -> None:
         p.observe_step(StepSample(n, 1 * MS * n, [4] * max(map(len, shapes)), 0.4 * MS, False, 4, 0.0))
     explored = [i for i, s in enumerate(plans) if any(s)]
     assert 1 <= len(explored) <= 3 and p.explored_steps == len(explored), explored
+
+
+def explorations(draft_ms: float, steps: int = 200) -> int:
+    """Plain-decode steps (explorations) while a chain of 4 runs: verify flat at 10 ms (memory-bound), each draft
+    forward ``draft_ms``, the chain's candidates accepted at 0.8 per position (3.36 tokens a round)."""
+    k = 4
+    p = policy(costs(verify=lambda n: 10 * MS, draft=lambda n: draft_ms * MS), branching=(1,) * k,
+               explore_every=64)
+    req = requests(1)
+    teach(p, req[0], 0.8, rounds=200, branching=(1,) * k)
+    n = 0
+    for _ in range(steps):
+        shapes = p.plan(req)
+        n += shapes == [()]
+        depth = max(map(len, shapes))
+        p.observe_step(StepSample(1 + depth, 10 * MS, [1] * depth, draft_ms * MS * depth, False, 1, 0.05 * MS))
+    return n
+
+
+def test_an_unused_plan_predicted_close_is_explored_more_often() -> None:
+    """Exploration spends ~explore_budget of the time: plain decode predicted 1.3x slower per token than the
+    chain (slow draft) is re-measured about every 10 steps, so a wrong estimate is corrected quickly; predicted
+    3x slower (fast draft), only every ``explore_every`` steps."""
+    close, far = explorations(3.9), explorations(0.3)
+    assert close >= 3 * far >= 6, (close, far)
 
 
 def test_unmeasured_costs_run_the_configured_depth() -> None:
