@@ -342,7 +342,8 @@ def test_a_regime_without_measured_rounds_runs_the_configured_depth() -> None:
     """With no rounds measured the default prior (0.7) makes plain decode look best here; planning from it, the
     policy would never run a round and never learn that this draft accepts 0.95 (the batch-1 trap measured on
     the built-in pair). Until ``min_rounds`` rounds of the regime are seen, its requests run the configured depth."""
-    p = policy(costs(verify=lambda n: 10 * MS + 0.6 * MS * n, draft=lambda n: 3.0 * MS))
+    p = policy(costs(verify=lambda n: 10 * MS + 0.6 * MS * n, draft=lambda n: 3.0 * MS),
+               explore_every=10**9, explore_min=10**9)  # the plans, not an exploration step in between
     p.cost.draft_call = curve(lambda n: 6 * MS)
     reqs = requests(1)
     assert p.plan(reqs) == [(1,) * K_MAX]
