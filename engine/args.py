@@ -108,9 +108,9 @@ class EngineArgs:
             # machine, SmolLM2's shipped draft (acceptance ~2 at K = 4) made fixed-depth speculation 0.7-0.97x no
             # speculation (the 49,152-row head's GEMM at 5 rows costs ~2.8x its one-row gemv), so the depth is
             # left to measured costs (K = 0 where speculation does not pay).
-            defaults: dict = {"adaptive": True} if packaged_draft else {}
+            defaults: dict = {}
             if packaged_draft:
-                draft = packaged_draft
+                draft, defaults = packaged_draft, {"adaptive": True}
             else:
                 target, draft = default_model_dirs(builtin_target_name(target))
             if spec is None:

@@ -180,7 +180,7 @@ class AdaptivePolicy:
             best = prev
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
-        explore = self._exploration(rs, best.shapes, fixed)
+        explore = self._exploration(rs, best, fixed)
         if explore is not None:
             self.explored_steps += 1
             return explore
@@ -306,31 +306,33 @@ class AdaptivePolicy:
             return None
         return self.price(rs, shapes)
 
-    def _exploration(self, rs: Sequence[_Req], chosen: list[tuple[int, ...]], fixed: list[tuple[int, ...]]
+    def _exploration(self, rs: Sequence[_Req], chosen: _Plan, fixed: list[tuple[int, ...]]
                      ) -> list[tuple[int, ...]] | None:
-        """One step of the plan not in use when its verify size was not measured for ``explore_every`` steps."""
-        plain = [()] * len(rs)
-        if any(chosen):
-            other = plain
-        else:  # not speculating: the configured depth, or half of it where that is predicted to do better
-            half = [f[: max(1, len(f) // 2)] for f in fixed]
-            other = max((fixed, half), key=lambda shapes: self.price(rs, shapes).rate)
-        if other == chosen:
-            return None
-        tokens = (sum(r.inflight for r in rs) + sum(self.base.num_nodes(len(s)) for s in other)
-                  + self._pinned_verify())
-        age = self._cost.verify.age(tokens)
+        """One step of the plan not in use (plain decode while speculating; else the configured depth or half of
+        it, whichever is predicted better) when its verify size was not measured for ``_explore_interval`` steps.
+        Nothing is priced on the steps where no candidate's size is old enough to be due."""
+        if any(chosen.shapes):
+            cands = [[()] * len(rs)]
+        else:
+            cands = [fixed, [f[: max(1, len(f) // 2)] for f in fixed]]
+        cands = [c for c in cands if c != chosen.shapes]
+        pinned = self._pinned_verify()
+        ages = [self._cost.verify.age(sum(r.inflight for r in rs) + pinned
+                                      + sum(self.base.num_nodes(len(s)) for s in c)) for c in cands]
+        if all(a is not None and a < self.explore_min for a in ages):
+            return None  # the common step: no candidate can be due (every interval is >= explore_min)
+        rate, other, age = max(((self.price(rs, c).rate, c, a) for c, a in zip(cands, ages, strict=True)),
+                               key=lambda t: t[0])
         if age is None:
             return other
-        return other if age >= self._explore_interval(rs, chosen, other) else None
+        return other if age >= self._explore_interval(chosen.rate, rate) else None
 
-    def _explore_interval(self, rs: Sequence[_Req], chosen: list[tuple[int, ...]], other: list[tuple[int, ...]]
-                          ) -> float:
-        """Steps between explorations of ``other``: by how much slower it is predicted. At batch 1 the warm-up's
-        verify of 9 tokens and draft forward had been measured while another process ran (35-47 ms and 9 ms, against
-        17 ms and 2 ms in steady use): plain decode was predicted 1.5x faster than a chain of 6 that was really 1.7x
-        faster, and the 64-step interval left 45 of 90 rounds of a batch-1 run plain."""
-        cur, alt = self.price(rs, chosen).rate, self.price(rs, other).rate
-        if alt <= 0 or cur <= 0:
+    def _explore_interval(self, chosen_rate: float, other_rate: float) -> float:
+        """Steps between explorations of a plan predicted at ``other_rate`` tokens/s: sooner the closer it comes.
+        At batch 1 the warm-up's verify of 9 tokens and draft forward had been measured while another process
+        ran (35-47 ms and 9 ms, against 17 ms and 2 ms in steady use): plain decode was predicted 1.5x faster than a
+        chain of 6 that was really 1.7x faster, and a fixed 64-step interval left 45 of 90 rounds of a batch-1 run
+        plain."""
+        if other_rate <= 0 or chosen_rate <= 0:
             return self.explore_every
-        return min(self.explore_every, max(self.explore_min, (cur / alt - 1) / self.explore_budget))
+        return min(self.explore_every, max(self.explore_min, (chosen_rate / other_rate - 1) / self.explore_budget))

@@ -157,9 +157,8 @@ def full_vocab_view(model: Any, path: str) -> Any:
 
     def forward(input_ids: torch.Tensor | None = None, **kw: Any) -> Any:
         out = base_forward(input_ids=None if input_ids is None else vmap.local.to(input_ids.device)[input_ids], **kw)
-        full = out.logits.new_full((*out.logits.shape[:-1], vmap.target_vocab_size), float("-inf"))  # [B, L, Vt]
-        full[..., vmap.ids.to(full.device)] = out.logits
-        out.logits = full
+        lead = out.logits.shape[:-1]
+        out.logits = vmap.to_full(out.logits.reshape(-1, vmap.size)).reshape(*lead, -1)  # [B, L, Vt]
         return out
 
     model.forward = forward
