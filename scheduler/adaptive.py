@@ -21,10 +21,10 @@ Stability: the previous step's choice, re-priced with today's estimates, stays u
 
 Exploration keeps the cost curves current: a curve is only trusted near sizes it measured, so the policy runs
 one step of the plan it is not using (plain decode while it speculates; while it does not, the configured depth
-or half of it, whichever is predicted better) when that size was not measured lately: after 8 to
-``explore_every`` steps, sooner the closer that plan is predicted to come (~3 % of the time spent exploring
-when the prediction is right; a wrong one, e.g. a size first measured while another process ran, is corrected
-in tens of steps). Until both
+or half of it, whichever loses less) when that size was not measured lately at this batch size: after 8 to
+``explore_every`` steps, sooner the less time the step is predicted to lose against the chosen plan (~3 % of
+the time spent exploring when the prediction is right; a wrong one, e.g. a size first measured while another
+process ran, is corrected in tens of steps where exploring is cheap). Until both
 curves have data the configured depth runs (the fixed policy); the engine seeds both curves at start-up with
 a few steps of dummy sequences over depths and batch sizes (engine/policy_warmup.py, through ``forced``).
 
@@ -37,6 +37,7 @@ tokens are priced in the step).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,8 +55,9 @@ class _Req:
     greedy: bool
     cap: int  # deepest round allowed (remaining tokens, contexts)
     inflight: int  # target tokens fed before the tree (1 after a round)
-    lag: int  # draft tokens fed before its tree (grows while the request decodes plainly)
+    lag: int  # draft tokens fed before its tree, as the plan prices them (1: see ``_view``)
     rates: list[float]  # chain per-position acceptance, length cap
+    catchup: int = 1  # draft tokens really fed before its next tree (the whole prefix after plain rounds)
 
 
 @dataclass
@@ -79,10 +81,16 @@ class AdaptivePolicy:
     sampled_cost: CostModel = field(default_factory=CostModel)
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
-    explore_every: int = 64  # steps before a size the policy does not use is measured again, at most
-    # ... and at least ``explore_min`` steps, sooner the closer the unused plan is predicted to come: exploring a
-    # plan predicted r times slower per token every (r - 1) / explore_budget steps spends ~explore_budget of the
-    # time when the prediction is right, and corrects a wrong one quickly where it matters.
+    # Speculating must be predicted to beat plain decode by this much (relative). The two errors are not alike:
+    # plain decode is the step whose cost the policy knows best at saturation, a speculative step's cost carries
+    # the draft's catch-up (not priced: see ``_view``) and the sampled regime's per-node costs, and a plan predicted
+    # 3 % better was 25 % slower at batch 32, T = 0.8 (larger random pair).
+    spec_margin: float = 0.05
+    explore_every: int = 256  # steps before a size the policy does not use is measured again, at most
+    # ... and at least ``explore_min`` steps, sooner the cheaper the exploration step is predicted to be: one that
+    # loses L seconds against the chosen plan (its own seconds less the time the chosen plan would take for its
+    # tokens), every L / (explore_budget x chosen step seconds) steps, spends ~explore_budget of the time when the
+    # prediction is right, and corrects a wrong one quickly where it matters.
     explore_min: int = 8
     explore_budget: float = 0.03
     # Rounds of a sampling regime the engine must have seen before its requests are planned: until then they run
@@ -117,6 +125,7 @@ class AdaptivePolicy:
 
     def _regime_cost(self, rs: Sequence[_Req]) -> CostModel:
         if any(not r.greedy for r in rs) and self.sampled_cost.ready:
+            self.sampled_cost.fallback = self.cost  # its batch sizes where the sampled curves have none
             return self.sampled_cost
         return self.cost
 
@@ -192,7 +201,8 @@ class AdaptivePolicy:
         # The draft's catch-up after plain rounds is paid once, not every round: price one in-flight token, or a
         # request that stopped speculating would look ever dearer to restart.
         return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target), 1,
-                    self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior))
+                    self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior),
+                    max(1, r.num_tokens - r.num_cached_draft))
 
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
         """Expected tokens and predicted seconds of a step running these shapes (and the pinned rounds')."""
@@ -252,6 +262,7 @@ class AdaptivePolicy:
             return sum(fwd_s) + call_cost(forwards[0]) if forwards and forwards[0] > 0 else 0.0
 
         best_n, best_rate = 0, tokens / (verify_cost(verify) + draft_s() + fixed_s)
+        plain_rate = best_rate
         # Price every prefix in small batches, at most ~32 prices a step whatever the batch size.
         stride = max(1, -(-len(cands) // 32))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
@@ -266,10 +277,13 @@ class AdaptivePolicy:
             if n % stride and n != len(cands):
                 continue
             rate = tokens / (verify_cost(verify) + draft_s() + fixed_s)
+            # No early stop when the rate falls: the first candidates pay the draft call's fixed part and a whole
+            # forward, so the rate can dip and recover (at batch 32, T = 0.8, a stop at 0.8x the plain rate left
+            # the plan to the previous step's chains of 3, which re-priced better than plain decode).
             if rate > best_rate:
                 best_n, best_rate = n, rate
-            elif rate < 0.8 * best_rate:  # gains shrink and costs grow from here on: it will not recover
-                break
+        if best_n and best_rate < plain_rate * (1 + self.spec_margin):
+            best_n = 0
         depths = [0] * len(rs)
         for _, j, i in cands[:best_n]:
             depths[i] = max(depths[i], j + 1)
@@ -309,30 +323,48 @@ class AdaptivePolicy:
     def _exploration(self, rs: Sequence[_Req], chosen: _Plan, fixed: list[tuple[int, ...]]
                      ) -> list[tuple[int, ...]] | None:
         """One step of the plan not in use (plain decode while speculating; else the configured depth or half of
-        it, whichever is predicted better) when its verify size was not measured for ``_explore_interval`` steps.
-        Nothing is priced on the steps where no candidate's size is old enough to be due."""
+        it, whichever loses less) when its verify size, at this batch size, was not measured for
+        ``_explore_interval`` steps. Nothing is priced on the steps where no candidate's size is old enough to be
+        due."""
         if any(chosen.shapes):
             cands = [[()] * len(rs)]
         else:
             cands = [fixed, [f[: max(1, len(f) // 2)] for f in fixed]]
         cands = [c for c in cands if c != chosen.shapes]
         pinned = self._pinned_verify()
-        ages = [self._cost.verify.age(sum(r.inflight for r in rs) + pinned
-                                      + sum(self.base.num_nodes(len(s)) for s in c)) for c in cands]
-        if all(a is not None and a < self.explore_min for a in ages):
-            return None  # the common step: no candidate can be due (every interval is >= explore_min)
-        rate, other, age = max(((self.price(rs, c).rate, c, a) for c, a in zip(cands, ages, strict=True)),
-                               key=lambda t: t[0])
+        nseqs = len(rs) + len(self._pinned)
+        sizes = [sum(r.inflight for r in rs) + pinned + sum(self.base.num_nodes(len(s)) for s in c) for c in cands]
+        ages = [self._cost.verify_age(v, nseqs) for v in sizes]
+        if all(a is not None and a < self.explore_min and self._cost.verify_measured(v, nseqs)
+               for a, v in zip(ages, sizes, strict=True)):
+            return None  # the common step: no candidate can be due (a measured size's interval is >= explore_min)
+        # Priced with the draft's real catch-up: a request that decoded plainly feeds the draft every token since
+        # its last round (its whole prefix the first time), and each exploration pays that again. At batch 64 on
+        # the larger random pair that was 530-850 ms of the 1.9 s exploration step, 6x a plain step's 0.3 s.
+        real = [dataclasses.replace(r, lag=r.catchup) for r in rs]
+        cost = self._cost
+        interval, other, age = min(((self._explore_interval(chosen, self.price(real, c),
+                                                            cost.verify_measured(v, nseqs)), c, a)
+                                    for c, a, v in zip(cands, ages, sizes, strict=True)), key=lambda t: t[0])
         if age is None:
             return other
-        return other if age >= self._explore_interval(chosen.rate, rate) else None
+        return other if age >= interval else None
 
-    def _explore_interval(self, chosen_rate: float, other_rate: float) -> float:
-        """Steps between explorations of a plan predicted at ``other_rate`` tokens/s: sooner the closer it comes.
-        At batch 1 the warm-up's verify of 9 tokens and draft forward had been measured while another process
-        ran (35-47 ms and 9 ms, against 17 ms and 2 ms in steady use): plain decode was predicted 1.5x faster than a
-        chain of 6 that was really 1.7x faster, and a fixed 64-step interval left 45 of 90 rounds of a batch-1 run
-        plain."""
-        if other_rate <= 0 or chosen_rate <= 0:
+    def _explore_interval(self, chosen: _Plan, other: _Plan, measured: bool = True) -> float:
+        """Steps between explorations of ``other`` so that they spend ~explore_budget of the time: its step loses
+        ``other.seconds - other.tokens / chosen.rate`` against the chosen plan. Pricing by the rate alone (an
+        exploration r times slower per token every (r - 1) / budget steps) assumed both steps emit as many tokens:
+        at batch 64 a chain-of-4 exploration (1.9 s) was run every 14 steps of plain decode (0.3 s each), 15 % of
+        the run. At batch 1 the warm-up's verify of 9 tokens and draft forward had been measured while another
+        process ran (35-47 ms and 9 ms, against 17 ms and 2 ms in steady use): plain decode was predicted 1.5x
+        faster than a chain of 6 that was really 1.7x faster; a cheap exploration is repeated within tens of
+        steps, which corrects such a curve. ``measured``: whether ``other``'s verify size was ever measured at
+        this batch size."""
+        if chosen.rate <= 0 or chosen.seconds <= 0:
             return self.explore_every
-        return min(self.explore_every, max(self.explore_min, (chosen_rate / other_rate - 1) / self.explore_budget))
+        lost = other.seconds - other.tokens / chosen.rate
+        # A size never measured at this batch size is priced from other sizes' curves: explore it as soon as the
+        # budget allows (at batch 32, T = 0.8, plain decode was priced 0.25 s from the sampled chains' steps, and
+        # really took 0.19 s), without waiting ``explore_min`` steps.
+        low = self.explore_min if measured else 0
+        return min(self.explore_every, max(low, lost / (self.explore_budget * chosen.seconds)))

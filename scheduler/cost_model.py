@@ -149,6 +149,9 @@ class CostModel:
     state: Curve = field(default_factory=Curve)
     draft_call: Curve = field(default_factory=Curve)  # the draft call's fixed part vs requests drafted
     verify_by_seqs: dict[int, Curve] = field(default_factory=dict)  # bucket(sequences) -> verify seconds vs tokens
+    # Another regime's model (the sampled regime's: the greedy one), whose batch-size curves stand in where this
+    # one's have not measured: see ``verify_seconds``.
+    fallback: CostModel | None = field(default=None, repr=False)
 
     @property
     def ready(self) -> bool:
@@ -174,11 +177,43 @@ class CostModel:
 
     def verify_seconds(self, verify_tokens: float, num_seqs: int) -> float:
         """The target call forwarding these tokens for this many sequences: the curve of steps with about as many
-        sequences where it has measured any, the all-steps curve otherwise."""
-        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
-        if c is None or not c.points or verify_tokens <= 0:
+        sequences where it has measured any (past its sizes, with the shape of the fallback's curve of that batch
+        size, or of the all-steps curve); else the fallback's curve of that batch size, times this regime's cost
+        over the fallback's at these tokens; else the all-steps curve.
+
+        Sampled steps have their own curves (laws travel, residuals are sampled), but the start-up profiling
+        measures them at a few batch sizes only. At batch 32 (larger random pair, T = 0.8) the plain step was
+        priced from batch-16 steps of 2 tokens each (cheaper per token than 32 x 1), and the policy ran chains of
+        2 at 0.49 s a step where plain decode took 0.2 s; the greedy curve of batch 32 had measured it."""
+        if verify_tokens <= 0:
             return self.verify(verify_tokens)
-        return c.scaled(verify_tokens, self.verify)
+        b = Curve.bucket(num_seqs)
+        c = self.verify_by_seqs.get(b)
+        g = self.fallback.verify_by_seqs.get(b) if self.fallback is not None else None
+        g = g if g is not None and g.points else None
+        if c is not None and c.points:
+            return c.scaled(verify_tokens, g if g is not None and len(g.points) >= 2 else self.verify)
+        if g is not None:
+            own, other = self.verify(verify_tokens), self.fallback.verify(verify_tokens)
+            # A sampled step never costs less than the greedy one of the same size (the ratio of the all-steps
+            # curves mixes batch sizes: it can fall below 1 when the greedy steps ran larger batches).
+            return g(verify_tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
+        return self.verify(verify_tokens)
+
+    def verify_age(self, verify_tokens: float, num_seqs: int) -> int | None:
+        """Steps of about this many sequences since a target call of about these tokens was measured, on the
+        curve ``verify_seconds`` prices it from; a size never measured there counts from the curve's first step
+        (None: nothing measured at all). Counting it as due at once ran a chain-of-4 step at batch 64 first
+        thing in every run (1.2 s verify and 1.6 s of draft catch-up, against 0.3 s for a plain step)."""
+        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
+        c = self.verify if c is None or not c.points else c
+        age = c.age(verify_tokens)
+        return age if age is not None or not c.points else c.clock
+
+    def verify_measured(self, verify_tokens: float, num_seqs: int) -> bool:
+        """Whether the curve ``verify_seconds`` prices this from has measured a call of about these tokens."""
+        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
+        return (self.verify if c is None or not c.points else c).age(verify_tokens) is not None
 
     def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
         """The draft call of a step with these forwards (0 without any)."""
