@@ -7,6 +7,8 @@ the one-hot vector e_s, so each output row is exactly uniform over the slots its
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,10 +102,22 @@ def test_nodes_see_prefix_ancestors_and_themselves_only() -> None:
     assert batch.input_ids.tolist() == [t for s in seqs for t in s.token_ids]
 
 
-@pytest.mark.parametrize("case", ["fresh-prompt", "decode-equal-lengths", "single-tree"])
+def _chunk_beside_rounds() -> list[SeqForward]:
+    """A 20-token prompt chunk (longer than SPLIT_QUERIES), a tree verification and a decode step."""
+    tree = [-1] + [0 if p < 0 else 1 + p for p in TREE_221]
+    return [SeqForward([13, 14, 15, 16, 17, 18, 19], 2, list(range(-1, 19)), list(range(20)), logit_nodes=[19]),
+            SeqForward([4, 5, 6, 7], 2, tree, list(range(11))),
+            SeqForward([2, 3], 5, [-1], [1])]
+
+
+@pytest.mark.parametrize("case", ["fresh-prompt", "decode-equal-lengths", "single-tree", "chunk-beside-rounds"])
 def test_visibility_in_special_layouts(case: str) -> None:
-    """Layouts a fast builder may special-case (no mask, a causal flag, a cache view) see the same keys."""
-    if case == "fresh-prompt":
+    """Layouts a fast builder may special-case (no mask, a causal flag, a cache view, a chunk attending apart from
+    the rounds) see the same keys."""
+    if case == "chunk-beside-rounds":
+        seqs = _chunk_beside_rounds()
+        assert len(build_batch(seqs, BS).meta.groups) == 2
+    elif case == "fresh-prompt":
         seqs = [SeqForward(list(range(3)), 0, list(range(-1, 9)), list(range(10)), logit_nodes=[9])]
     elif case == "decode-equal-lengths":
         seqs = [SeqForward([2, 3], 5, [-1], [1]), SeqForward([9, 4], 5, [-1], [2])]
@@ -158,3 +172,21 @@ def test_commit_copies_the_path_kv_across_blocks_in_every_layer() -> None:
                                    rtol=0, atol=0)
     for p in range(base):  # the committed prefix is untouched
         torch.testing.assert_close(cache.kv[:, :, slot(table, p)], before[:, :, slot(table, p)], rtol=0, atol=0)
+
+
+def test_a_chunk_attending_apart_gives_the_one_call_output() -> None:
+    """The grouped attention (prompt chunk apart from the rounds) equals the single padded call; the row-invariant
+    path ignores the groups."""
+    seqs = _chunk_beside_rounds()
+    batch = build_batch(seqs, BS)
+    t = batch.input_ids.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, 2, 8, generator=gen) for _ in range(3))
+    outs = []
+    for split in (True, False):
+        cache = KVCache(1, NUM_BLOCKS, BS, 2, 8)
+        cache.kv.normal_(generator=gen.manual_seed(1))
+        meta = batch.meta if split else dataclasses.replace(batch.meta, groups=[], group_rows=[])
+        outs.append(PagedContext(meta, cache).attend(0, q, k, v))  # [T, 2, 8]
+    assert len(batch.meta.groups) == 2
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)

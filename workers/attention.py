@@ -89,6 +89,11 @@ class PagedMetadata:
     # single fresh chain where keys and queries coincide).
     mask: torch.Tensor | None = None  # [B, 1, Q, L] bool: query q of sequence b may attend key l
     causal: bool = False
+    # The same sequences split into groups that attend apart (prompt chunks / decode rounds), each with its own
+    # padding; ``group_rows[g]``: [T_g] long, the flattened-batch rows of group g's tokens in its order. Empty:
+    # one attention call over this layout. The groups' slot_mapping is None (the write is done once).
+    groups: list[PagedMetadata] = field(default_factory=list)
+    group_rows: list[torch.Tensor] = field(default_factory=list)
 
 
 class KVCacheLike(Protocol):
@@ -109,6 +114,7 @@ class PagedContext:
     row_invariant: bool = False
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _rows: RowAttention | None = field(default=None, init=False, repr=False)
+    _groups: list[PagedContext] | None = field(default=None, init=False, repr=False)
 
     def _additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The bool mask as 0 / -inf in q's dtype, made once per forward (SDPA would convert it every layer)."""
@@ -119,9 +125,20 @@ class PagedContext:
         return self._mask
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer, self.meta.slot_mapping, k, v)
+        if not self.meta.groups or self.row_invariant:
+            return self._read(layer, q)
+        if self._groups is None:
+            self._groups = [PagedContext(g, self.cache, self.scale) for g in self.meta.groups]
+        out = torch.empty_like(q)  # [T, Hq, D]
+        for ctx, rows in zip(self._groups, self.meta.group_rows, strict=True):
+            out.index_copy_(0, rows, ctx._read(layer, q.index_select(0, rows)))
+        return out
+
+    def _read(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D] (K/V already written) -> [T, Hq, D] over this layout."""
         m = self.meta
         cache = self.cache
-        cache.write(layer, m.slot_mapping, k, v)
         b, nq, nk = m.num_seqs, m.num_queries, m.num_keys
         if b == 0:
             return q  # no new tokens
