@@ -74,22 +74,14 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)  # copy_ also converts the checkpoint dtype to the parameter dtype
 
 
-# Rows for which ``linear`` computes (W @ x^T)^T instead of x @ W^T (CPU only). MKL's small-M GEMM against a
-# transposed weight is slow: on the default models' shapes W @ x^T takes 0.55-0.75x the time for 2-8 rows
-# (a verification pass of a chain of 4 is 5 rows), and loses from about 10 rows on.
-SMALL_M_ROWS = (2, 8)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [T, in], weight [out, in], with the faster GEMM orientation for a few rows on CPU.
+    """``F.linear`` for x [T, in], weight [out, in] -> [T, out].
 
-    The two orientations sum in different orders, so results differ from ``F.linear`` in the last bits (as
-    ``F.linear`` itself differs between 1 row and 5).
+    It computed (W @ x^T)^T for 2-8 rows on CPU (commit 8a511e3: MKL's small-M GEMM against a transposed weight
+    had measured slow). With torch 2.13 here that orientation is the slow one: on the built-in pair's shapes
+    2-8 rows took 1.2-5x F.linear's time, and a target verify of 3 tokens 16-20 ms against 10-12 ms
+    (engine/benchmarks/results/adaptive-saturation-2026-12-01/README.md). One place to change it again.
     """
-    if (x.dim() == 2 and SMALL_M_ROWS[0] <= x.shape[0] <= SMALL_M_ROWS[1] and x.device.type == "cpu"
-            and weight.is_contiguous()):  # a column-major weight is already fast as x @ W^T
-        y = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
-        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
