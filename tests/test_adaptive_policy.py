@@ -467,3 +467,19 @@ def test_sampled_steps_of_an_unmeasured_batch_size_are_priced_from_the_greedy_cu
     ratio = max(1.0, sampled.verify(32) / greedy.verify(32))
     assert sampled.verify_seconds(32, 32) == pytest.approx(greedy.verify_seconds(32, 32) * ratio)
     assert sampled.verify_seconds(32, 32) >= 0.19
+
+
+def test_while_speculating_a_deeper_size_measured_dear_is_measured_again() -> None:
+    """Start-up measured 8+ verify tokens at 30 ms (another process ran); really every size costs 10 ms. The policy
+    starts on chains of 3 (4 tokens, 10 ms); exploring the configured depth re-measures the deep sizes, and the
+    chains deepen. Exploring plain decode only (as it did) left the chain short for good."""
+    p = policy(costs(verify=lambda n: 10 * MS if n <= 4 else 30 * MS, draft=lambda n: 1 * MS), explore_every=64,
+               explore_min=8)
+    req = requests(1)
+    teach(p, req[0], 0.95, rounds=200)
+    depths = []
+    for _ in range(60):
+        d = max(map(len, p.plan(req)))
+        depths.append(d)
+        p.observe_step(StepSample(1 + d, 10 * MS, [1] * d, 1 * MS * d, False, 1, 0.05 * MS))
+    assert depths[0] <= 3 and K_MAX in depths[:40] and sorted(depths[-20:])[10] > 4, depths  # (0: plain explored)
