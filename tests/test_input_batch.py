@@ -7,11 +7,10 @@ the one-hot vector e_s, so each output row is exactly uniform over the slots its
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
+from workers import input_batch
 from workers.attention import PagedContext
 from workers.input_batch import SeqForward, ancestor_masks, build_batch, commit_moves, node_depths
 from workers.kv_cache import KVCache
@@ -174,19 +173,22 @@ def test_commit_copies_the_path_kv_across_blocks_in_every_layer() -> None:
         torch.testing.assert_close(cache.kv[:, :, slot(table, p)], before[:, :, slot(table, p)], rtol=0, atol=0)
 
 
-def test_a_chunk_attending_apart_gives_the_one_call_output() -> None:
-    """The grouped attention (prompt chunk apart from the rounds) equals the single padded call; the row-invariant
-    path ignores the groups."""
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_a_chunk_attending_apart_gives_the_one_call_output(row_invariant: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped attention (prompt chunk apart from the rounds) equals the single padded call, on the batched
+    and on the row-by-row path."""
     seqs = _chunk_beside_rounds()
     batch = build_batch(seqs, BS)
+    monkeypatch.setattr(input_batch, "SPLIT_QUERIES", 10**9)  # the reference: one layout for all
+    one_call = build_batch(seqs, BS)
     t = batch.input_ids.shape[0]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(t, 2, 8, generator=gen) for _ in range(3))
     outs = []
-    for split in (True, False):
+    for meta in (batch.meta, one_call.meta):
         cache = KVCache(1, NUM_BLOCKS, BS, 2, 8)
         cache.kv.normal_(generator=gen.manual_seed(1))
-        meta = batch.meta if split else dataclasses.replace(batch.meta, groups=[], group_rows=[])
-        outs.append(PagedContext(meta, cache).attend(0, q, k, v))  # [T, 2, 8]
-    assert len(batch.meta.groups) == 2
+        outs.append(PagedContext(meta, cache, row_invariant=row_invariant).attend(0, q, k, v))  # [T, 2, 8]
+    assert len(batch.meta.groups) == 2 and not one_call.meta.groups
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)

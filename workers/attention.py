@@ -89,9 +89,9 @@ class PagedMetadata:
     # single fresh chain where keys and queries coincide).
     mask: torch.Tensor | None = None  # [B, 1, Q, L] bool: query q of sequence b may attend key l
     causal: bool = False
-    # The same sequences split into groups that attend apart (prompt chunks / decode rounds), each with its own
-    # padding; ``group_rows[g]``: [T_g] long, the flattened-batch rows of group g's tokens in its order. Empty:
-    # one attention call over this layout. The groups' slot_mapping is None (the write is done once).
+    # The sequences split into groups that attend apart (prompt chunks / decode rounds), each with its own layout;
+    # ``group_rows[g]``: [T_g] long, the flattened-batch rows of group g's tokens in its order. When set, this
+    # layout has only the write (slot_mapping) and the sizes; the groups' slot_mapping is None. Empty: one call.
     groups: list[PagedMetadata] = field(default_factory=list)
     group_rows: list[torch.Tensor] = field(default_factory=list)
 
@@ -126,10 +126,10 @@ class PagedContext:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
-        if not self.meta.groups or self.row_invariant:
+        if not self.meta.groups:
             return self._read(layer, q)
-        if self._groups is None:
-            self._groups = [PagedContext(g, self.cache, self.scale) for g in self.meta.groups]
+        if self._groups is None:  # (row by row, a row's output does not depend on its group either)
+            self._groups = [PagedContext(g, self.cache, self.scale, self.row_invariant) for g in self.meta.groups]
         out = torch.empty_like(q)  # [T, Hq, D]
         for ctx, rows in zip(self._groups, self.meta.group_rows, strict=True):
             out.index_copy_(0, rows, ctx._read(layer, q.index_select(0, rows)))

@@ -135,13 +135,14 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         tables.append(s.block_table[: -(-needed // block_size)])
 
     slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
-    meta = _layout(slots, n_new, n_keys, tables, limits, chains, trees, block_size, device)
-    # A prompt chunk beside decode rounds pads every sequence's queries to the chunk's length: at batch 32 one
+    # A prompt chunk beside decode rounds would pad every sequence's queries to the chunk's length: at batch 32 one
     # 249-token chunk with 31 single-token rounds made an attention of 32 x 249 queries, and the step took 1.2 s
-    # instead of ~0.3 s. Long and short query groups attend apart (``PagedContext``); the full layout stays for
-    # the row-invariant path, which attends row by row anyway.
+    # instead of ~0.3 s. Long and short query groups get their own layouts and attend apart (``PagedContext``).
     long = [i for i, n in enumerate(n_new) if n > SPLIT_QUERIES]
-    if long and len(long) < len(n_new):
+    if not long or len(long) == len(n_new):
+        meta = _layout(slots, n_new, n_keys, tables, limits, chains, trees, block_size, device)
+    else:
+        meta = PagedMetadata(slot_mapping=slots, num_seqs=len(n_new), num_queries=max(n_new), num_keys=max(n_keys))
         short = [i for i, n in enumerate(n_new) if n <= SPLIT_QUERIES]
         starts = [0]
         for n in n_new:
