@@ -337,22 +337,20 @@ class AdaptivePolicy:
         nseqs = len(rs) + len(self._pinned)
         sizes = [sum(r.inflight for r in rs) + pinned + sum(self.base.num_nodes(len(s)) for s in c) for c in cands]
         ages = [self._cost.verify_age(v, nseqs) for v in sizes]
-        if all(a is not None and a < self.explore_min and self._cost.verify_measured(v, nseqs)
-               for a, v in zip(ages, sizes, strict=True)):
+        measured = [self._cost.verify_measured(v, nseqs) for v in sizes]
+        if all(a is not None and a < self.explore_min and m for a, m in zip(ages, measured, strict=True)):
             return None  # the common step: no candidate can be due (a measured size's interval is >= explore_min)
         # Priced with the draft's real catch-up: a request that decoded plainly feeds the draft every token since
         # its last round (its whole prefix the first time), and each exploration pays that again. At batch 64 on
         # the larger random pair that was 530-850 ms of the 1.9 s exploration step, 6x a plain step's 0.3 s.
         real = [dataclasses.replace(r, lag=r.catchup) for r in rs]
-        cost = self._cost
         alternatives = not any(chosen.shapes)  # two depths, either of which measures what plain decode lacks
         timed = []  # (interval, age, shapes)
-        for c, a, v in zip(cands, ages, sizes, strict=True):
+        for c, a, m in zip(cands, ages, measured, strict=True):
             if a is None:
                 return c
-            if alternatives or a >= self.explore_min or not cost.verify_measured(v, nseqs):
-                timed.append((self._explore_interval(chosen, self.price(real, c), cost.verify_measured(v, nseqs)),
-                              a, c))
+            if alternatives or a >= self.explore_min or not m:
+                timed.append((self._explore_interval(chosen, self.price(real, c), m), a, c))
         if timed and alternatives:  # the one that loses less
             timed = [min(timed, key=lambda t: t[0])]
         due = [(a / max(interval, 1.0), c) for interval, a, c in timed if a >= interval]

@@ -200,20 +200,23 @@ class CostModel:
             return g(verify_tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
         return self.verify(verify_tokens)
 
+    def _priced_curve(self, num_seqs: int) -> Curve:
+        """The curve ``verify_seconds`` starts from: this batch size's where it has measured any, else all steps'."""
+        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
+        return self.verify if c is None or not c.points else c
+
     def verify_age(self, verify_tokens: float, num_seqs: int) -> int | None:
         """Steps of about this many sequences since a target call of about these tokens was measured, on the
         curve ``verify_seconds`` prices it from; a size never measured there counts from the curve's first step
         (None: nothing measured at all). Counting it as due at once ran a chain-of-4 step at batch 64 first
         thing in every run (1.2 s verify and 1.6 s of draft catch-up, against 0.3 s for a plain step)."""
-        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
-        c = self.verify if c is None or not c.points else c
+        c = self._priced_curve(num_seqs)
         age = c.age(verify_tokens)
         return age if age is not None or not c.points else c.clock
 
     def verify_measured(self, verify_tokens: float, num_seqs: int) -> bool:
         """Whether the curve ``verify_seconds`` prices this from has measured a call of about these tokens."""
-        c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
-        return (self.verify if c is None or not c.points else c).age(verify_tokens) is not None
+        return self._priced_curve(num_seqs).age(verify_tokens) is not None
 
     def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
         """The draft call of a step with these forwards (0 without any)."""
