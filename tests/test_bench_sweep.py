@@ -184,6 +184,34 @@ def test_sweep_against_running_servers_finds_their_knees(tmp_path):
     assert f"| {ratio:.2f} |" in row
 
 
+def test_interleaved_sweep_alternates_configs_within_each_rung(tmp_path):
+    """--interleave --repeats 2: rung by rung, each configuration in turn, twice in rotating order (A B, B A), and
+    the run kept is the median (the lower of two) with every run's throughput listed."""
+    with StubServer(SMALL) as a, StubServer(BIG) as b:
+        rc = sweep_main(["--url", f"a={a.url}", "--url", f"b={b.url}", "--concurrency", "1,2", "--interleave",
+                         "--repeats", "2", "--stop-past-knee", "0", "--out-dir", str(tmp_path), *WORKLOAD])
+        # each run: 4 requests (the warm-up: 1), one after another at concurrency 1, two at a time at 2
+        runs = []
+        for name, server in (("a", a), ("b", b)):
+            times = sorted(t["received"] for t in server.state()["timeline"])[1:]  # less the warm-up
+            assert len(times) == 16
+            runs += [(times[i], times[i + 3], name) for i in range(0, 16, 4)]
+    assert rc == 0
+    runs.sort()
+    assert [r[2] for r in runs] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert all(x[1] < y[0] for x, y in zip(runs, runs[1:], strict=False)), "a run overlapped the previous one"
+    sweep = _check_outputs(tmp_path, ["a", "b"])
+    for c in sweep["configs"]:
+        assert [p["load"] for p in c["points"]] == [1, 2]
+        for p in c["points"]:
+            reps = p["repeats_output_throughput"]
+            assert len(reps) == 2 and reps == sorted(reps)
+            assert p["result"]["output_throughput"] == reps[0]
+    with pytest.raises(ValueError, match="--repeats .* needs --interleave"):
+        sweep_main(["--url", "a=http://127.0.0.1:9", "--concurrency", "1", "--repeats", "2",
+                    "--out-dir", str(tmp_path)])
+
+
 def test_sweep_starts_and_stops_its_servers(tmp_path, monkeypatch):
     """--config: the sweep starts one server per configuration (here the stub, standing in for `specserve
     serve` via --server-command), runs a rate ladder and stops each server before the next."""

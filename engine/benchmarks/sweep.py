@@ -10,11 +10,14 @@ everything, a markdown table and PNG plots into ``--out-dir``.
 
 Each rung sends max(--num-prompts, --prompts-per-concurrency x concurrency) requests, so that high rungs
 reach a steady state. Climbing stops ``--stop-past-knee`` rungs past the knee (0: run the whole ladder).
+``--interleave`` starts every server first and runs each rung on every configuration in turn (``--repeats``
+times, keeping the median), so that a slow drift of a shared machine does not land in the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -97,32 +100,91 @@ def parse_ladder(concurrency: str | None, rates: str | None) -> tuple[str, list[
     return kind, values
 
 
-def run_ladder(url: str, kind: str, values: list[float], args: argparse.Namespace, name: str) -> dict[str, Any]:
-    points: list[dict[str, Any]] = []
-    for v in values:
-        if kind == "concurrency":
-            rate, cap = math.inf, int(v)
-            n = max(args.num_prompts, args.prompts_per_concurrency * int(v))
-        else:
-            rate, cap, n = v, args.max_concurrency, args.num_prompts
-        cfg = config_from_args(args, url, rate, cap)
-        result = run_benchmark(cfg, build_requests(args, n))
-        load: Any = int(v) if kind == "concurrency" else (v if math.isfinite(v) else "inf")
-        points.append({"load": load, "num_prompts": n, "result": result})
-        print(f"[{name}] {kind} {load}: {result['output_throughput']:.1f} out tok/s, "
-              f"TTFT p50 {result['median_ttft_ms'] or float('nan'):.0f} ms, "
-              f"TPOT p50 {result['median_tpot_ms'] or float('nan'):.1f} ms, failed {result['failed']}",
-              file=sys.stderr, flush=True)
-        loads = values[:len(points)]
-        if stop_climbing(loads, [p["result"]["output_throughput"] for p in points], args.stop_past_knee,
-                         args.knee_tolerance):
-            break
-    loads = values[:len(points)]
-    knee = find_knee(loads, [p["result"]["output_throughput"] for p in points],
+def run_rung(url: str, kind: str, v: float, args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One rung of the ladder against one server: its ``bench serve`` result."""
+    if kind == "concurrency":
+        rate, cap = math.inf, int(v)
+        n = max(args.num_prompts, args.prompts_per_concurrency * int(v))
+    else:
+        rate, cap, n = v, args.max_concurrency, args.num_prompts
+    result = run_benchmark(config_from_args(args, url, rate, cap), build_requests(args, n))
+    load: Any = int(v) if kind == "concurrency" else (v if math.isfinite(v) else "inf")
+    print(f"[{name}] {kind} {load}: {result['output_throughput']:.1f} out tok/s, "
+          f"TTFT p50 {result['median_ttft_ms'] or float('nan'):.0f} ms, "
+          f"TPOT p50 {result['median_tpot_ms'] or float('nan'):.1f} ms, failed {result['failed']}",
+          file=sys.stderr, flush=True)
+    return {"load": load, "num_prompts": n, "result": result}
+
+
+def _climbing_stops(values: list[float], points: list[dict[str, Any]], args: argparse.Namespace) -> bool:
+    return stop_climbing(values[:len(points)], [p["result"]["output_throughput"] for p in points],
+                         args.stop_past_knee, args.knee_tolerance)
+
+
+def _knee(values: list[float], points: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    knee = find_knee(values[:len(points)], [p["result"]["output_throughput"] for p in points],
                      [p["result"]["median_ttft_ms"] for p in points],
                      [(p["result"].get("server_load") or {}).get("mean_waiting") for p in points],
                      args.knee_tolerance)
     return {"points": points, "knee": knee.to_json()}
+
+
+def run_ladder(url: str, kind: str, values: list[float], args: argparse.Namespace, name: str) -> dict[str, Any]:
+    points: list[dict[str, Any]] = []
+    for v in values:
+        points.append(run_rung(url, kind, v, args, name))
+        if _climbing_stops(values, points, args):
+            break
+    return _knee(values, points, args)
+
+
+def run_interleaved(configs: list[ServerConfig], kind: str, values: list[float], args: argparse.Namespace,
+                    server_args: list[str]) -> list[dict[str, Any]]:
+    """Every server up at once, each rung run on every configuration in turn, ``--repeats`` times in rotating
+    order, keeping the run of median throughput. On a shared machine throughput drifts by tens of percent over
+    minutes (the same server and rung gave 227 and 309 out tok/s ten minutes apart on the 2-core CI machine);
+    run one configuration's whole ladder after another's and the drift lands in their ratios."""
+    entries: list[dict[str, Any]] = [{"name": c.name, "speculative_config": c.speculative_config, "url": c.url}
+                                     for c in configs]
+    points: list[list[dict[str, Any]]] = [[] for _ in configs]
+    with contextlib.ExitStack() as stack:
+        live: list[int] = []
+        for i, (c, e) in enumerate(zip(configs, entries, strict=True)):
+            try:
+                if c.url is None:
+                    e["server_command"] = serve_command(["--speculative-config", c.speculative_config, *server_args],
+                                                        shlex.split(args.server_command) or None)
+                    log = os.path.join(args.out_dir, f"server-{c.name}.log")
+                    e["url"] = stack.enter_context(ServerProcess(e["server_command"], log, args.startup_timeout)).url
+                warm_up(e["url"], args)
+                live.append(i)
+            except (RuntimeError, TimeoutError, ValueError, OSError) as err:
+                e["error"] = f"{type(err).__name__}: {err}"
+                print(f"[{c.name}] failed: {err}", file=sys.stderr, flush=True)
+        climbing = list(live)
+        for v in values:
+            if not climbing:
+                break
+            runs: dict[int, list[dict[str, Any]]] = {i: [] for i in climbing}
+            for rep in range(args.repeats):
+                for i in climbing[rep % len(climbing):] + climbing[:rep % len(climbing)]:
+                    try:
+                        runs[i].append(run_rung(entries[i]["url"], kind, v, args, configs[i].name))
+                    except (RuntimeError, TimeoutError, ValueError, OSError) as err:
+                        entries[i]["error"] = f"{type(err).__name__}: {err}"
+            for i, rs in runs.items():
+                if not rs:
+                    continue
+                rs.sort(key=lambda p: p["result"]["output_throughput"])
+                kept = dict(rs[(len(rs) - 1) // 2])  # the median (the lower one of an even count)
+                kept["repeats_output_throughput"] = [p["result"]["output_throughput"] for p in rs]
+                points[i].append(kept)
+            climbing = [i for i in climbing if "error" not in entries[i]
+                        and not _climbing_stops(values, points[i], args)]
+    for e, ps in zip(entries, points, strict=True):
+        if ps:
+            e.update(_knee(values, ps, args))
+    return entries
 
 
 def warm_up(url: str, args: argparse.Namespace) -> None:
@@ -176,11 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--knee-tolerance", type=float, default=0.05,
                     help="relative throughput gain below which load no longer counts as rising")
     ap.add_argument("--warmup-requests", type=int, default=2)
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server first, then run each rung on every configuration in turn: the "
+                         "machine's drift lands on all of them alike, not in their ratios")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --interleave: runs of each rung per configuration (rotating order); the run of "
+                         "median throughput is kept, all of them are listed")
     ap.add_argument("--out-dir", required=True, help="sweep.json, sweep.md, *.png and server logs go here")
     add_workload_args(ap)
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or args.prompts_per_concurrency < 0:
         raise ValueError("--num-prompts must be >= 1 and --prompts-per-concurrency >= 0")
+    if not 1 <= args.repeats <= 20 or (args.repeats > 1 and not args.interleave):
+        raise ValueError(f"--repeats takes 1 to 20 and needs --interleave, got {args.repeats}")
     server_args = shlex.split(args.server_args)
     configs = parse_configs(args.config, args.url, server_args)
     kind, values = parse_ladder(args.concurrency, args.request_rates)
@@ -190,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now().isoformat(timespec="seconds"),
         "command": "specserve bench sweep " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "ladder": {"kind": kind, "values": [v if math.isfinite(v) else "inf" for v in values]},
-        "configs": [run_config(c, kind, values, args, server_args) for c in configs],
+        "configs": (run_interleaved(configs, kind, values, args, server_args) if args.interleave
+                    else [run_config(c, kind, values, args, server_args) for c in configs]),
     }
     with open(os.path.join(args.out_dir, "sweep.json"), "w", encoding="utf-8") as f:
         json.dump(sweep, f, indent=1)
