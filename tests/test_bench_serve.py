@@ -242,7 +242,24 @@ def test_vllm_metric_names_are_read_and_labels_summed():
     assert sd["source"] == "vllm" and sd["num_drafts"] == 40 and sd["draft_tokens"] == 120
     assert sd["mean_acceptance_length"] == pytest.approx(1 + 60 / 40)
     assert sd["per_position_acceptance_rate"] == pytest.approx([32 / 40, 28 / 40])
+    assert sd["chosen_depths"] is None and sd["mean_chosen_depth"] is None  # vLLM does not say
     assert spec_decode_delta(parse_metrics("# TYPE x counter\nx_total 1\n"), parse_metrics("x_total 2\n")) is None
+
+
+def test_chosen_depths_of_a_run_from_specserve_metrics():
+    """The adaptive policy's choices during the run: the counters' growth per depth, chains in the mean."""
+    def text(plain: int, k4: int, tree: int) -> str:
+        return "\n".join([
+            "# TYPE specserve:spec_decode_num_drafts_total counter",
+            f'specserve:spec_decode_num_drafts_total{{model_name="m"}} {k4 + tree}',
+            "# TYPE specserve:spec_decode_chosen_depth_total counter",
+            f'specserve:spec_decode_chosen_depth_total{{depth="0",model_name="m"}} {plain}',
+            f'specserve:spec_decode_chosen_depth_total{{depth="4",model_name="m"}} {k4}',
+            f'specserve:spec_decode_chosen_depth_total{{depth="tree:2x1",model_name="m"}} {tree}', ""])
+
+    sd = spec_decode_delta(parse_metrics(text(5, 10, 1)), parse_metrics(text(35, 20, 1)))
+    assert sd["chosen_depths"] == {"0": 30, "4": 10}  # the tree was not chosen during the run
+    assert sd["mean_chosen_depth"] == pytest.approx(40 / 40)
 
 
 def test_peak_concurrency_from_records():

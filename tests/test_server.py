@@ -159,6 +159,7 @@ def test_health_metrics_and_a_wrong_model(server, client) -> None:
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "specserve:spec_decode_num_drafts_total") > 0
     assert metric_value(text, "specserve:spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) > 0
+    assert metric_value(text, "specserve:spec_decode_chosen_depth_total", {"depth": "4"}) > 0  # the fixed K
     assert metric_value(text, "specserve:generation_tokens_total") > 0
     assert metric_value(text, "specserve:time_to_first_token_seconds_count") > 0
     with pytest.raises(openai.NotFoundError):

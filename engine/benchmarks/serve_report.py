@@ -135,6 +135,8 @@ def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
         lines.append(f"{'Mean acceptance length:':<40}{sd['mean_acceptance_length']:>12.2f}")
         rates = sd.get("per_position_acceptance_rate") or []
         lines.append("Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in rates))
+        if sd.get("chosen_depths"):
+            lines.append("Depths chosen (rounds): " + ", ".join(f"{k}: {n}" for k, n in sd["chosen_depths"].items()))
     if result.get("errors"):
         lines.append("Errors: " + "; ".join(f"{n} x {e}" for e, n in result["errors"].items()))
     return "\n".join(lines)

@@ -18,6 +18,7 @@ PREFIXES = ("specserve:", "vllm:")
 DRAFTS, DRAFT_TOKENS, ACCEPTED = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                                   "spec_decode_num_accepted_tokens_total")
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
+CHOSEN = "spec_decode_chosen_depth_total"  # specserve's only: rounds per depth its policy chose
 RUNNING, WAITING = "num_requests_running", "num_requests_waiting"
 
 
@@ -28,6 +29,7 @@ class Snapshot:
     prefix: str | None = None  # "specserve:" or "vllm:", whichever the server exposes
     values: dict[str, float] = field(default_factory=dict)
     per_position: dict[int, float] = field(default_factory=dict)
+    chosen_depths: dict[str, float] = field(default_factory=dict)
 
     @property
     def has_spec_decode(self) -> bool:
@@ -49,6 +51,9 @@ def parse_metrics(text: str) -> Snapshot:
             elif name == PER_POS and "position" in s.labels:
                 pos = int(s.labels["position"])
                 snap.per_position[pos] = snap.per_position.get(pos, 0.0) + s.value
+            elif name == CHOSEN and "depth" in s.labels:
+                d = s.labels["depth"]
+                snap.chosen_depths[d] = snap.chosen_depths.get(d, 0.0) + s.value
     return snap
 
 
@@ -78,6 +83,10 @@ def spec_decode_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
     drafts, drafted, accepted = d(DRAFTS), d(DRAFT_TOKENS), d(ACCEPTED)
     positions = sorted(after.per_position)
     per_pos = [after.per_position[p] - before.per_position.get(p, 0.0) for p in positions]
+    chosen = {k: int(v - before.chosen_depths.get(k, 0.0)) for k, v in after.chosen_depths.items()}
+    chosen = {k: chosen[k] for k in sorted(chosen, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
+              if chosen[k] > 0}
+    chains = {int(k): n for k, n in chosen.items() if k.isdigit()}
     return {
         "source": (after.prefix or "").rstrip(":"),
         "num_drafts": int(drafts),
@@ -87,6 +96,9 @@ def spec_decode_delta(before: Snapshot | None, after: Snapshot | None) -> dict[s
         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
         "accepted_per_position": [int(x) for x in per_pos],
         "per_position_acceptance_rate": [x / drafts for x in per_pos] if drafts else None,
+        # the speculation policy's choices during the run (specserve): rounds per depth, plain decode as "0"
+        "chosen_depths": chosen or None,
+        "mean_chosen_depth": sum(k * n for k, n in chains.items()) / sum(chains.values()) if chains else None,
     }
 
 

@@ -87,7 +87,7 @@ def markdown(sweep: dict[str, Any]) -> str:
             lines.append(f"\n{c['name']}: failed: {c['error'].splitlines()[0]}")
     lines += ["", "Every rung:", "",
               f"| config | {kind} | out tok/s | req/s | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 | "
-              "queue (mean waiting) | accept len | failed |", "|" + "---|" * 11]
+              "queue (mean waiting) | accept len | mean K | failed |", "|" + "---|" * 12]
     for c in cfgs:
         for p in c["points"]:
             r = p["result"]
@@ -97,7 +97,8 @@ def markdown(sweep: dict[str, Any]) -> str:
                          f"{_fmt(r['request_throughput'], 2)} | {_fmt(r.get('median_ttft_ms'))} | "
                          f"{_fmt(r.get('p95_ttft_ms'))} | {_fmt(r.get('median_tpot_ms'))} | "
                          f"{_fmt(r.get('p95_tpot_ms'))} | {_fmt(q)} | "
-                         f"{_fmt(sd.get('mean_acceptance_length'), 2)} | {r['failed']} |")
+                         f"{_fmt(sd.get('mean_acceptance_length'), 2)} | {_fmt(sd.get('mean_chosen_depth'), 2)} | "
+                         f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 
 

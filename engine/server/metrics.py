@@ -39,6 +39,8 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # [depth] -> rounds that accepted a token at that depth
+    # rounds per shape the speculation policy chose ("0": plain decode, "4": a chain of 4, "tree:2x1")
+    chosen_depths: tuple[tuple[str, int], ...] = ()
 
 
 def read_engine_stats(engine: Any) -> EngineStats:
@@ -50,7 +52,8 @@ def read_engine_stats(engine: Any) -> EngineStats:
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_cache_usage=1.0 - blocks.num_free / blocks.num_blocks,
         num_drafts=spec.num_rounds, num_draft_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
-        accepted_per_position=tuple(spec.accepted_per_position))
+        accepted_per_position=tuple(spec.accepted_per_position),
+        chosen_depths=tuple(getattr(spec, "chosen_depths", {}).items()))
 
 
 class ServerMetrics:
@@ -80,6 +83,8 @@ class ServerMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Rounds that accepted a candidate at this depth (0 = first).",
                                         m + ["position"])
+        self.chosen_depth = counter("spec_decode_chosen_depth", "Rounds run at each depth the speculation policy "
+                                    "chose (0 = plain decode; tree:2x1 = a tree shape).", m + ["depth"])
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the server to the first token.",
                               TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs of a request (a "
@@ -116,6 +121,10 @@ class ServerMetrics:
             before = last.accepted_per_position[pos] if pos < len(last.accepted_per_position) else 0
             if now > before:
                 self.accepted_per_pos.labels(name, str(pos)).inc(now - before)
+        before_depths = dict(last.chosen_depths)
+        for depth, now in s.chosen_depths:
+            if now > before_depths.get(depth, 0):
+                self.chosen_depth.labels(name, depth).inc(now - before_depths.get(depth, 0))
         self._last = s
 
     def observe_first_output(self, ttft_s: float, prompt_tokens: int) -> None:
