@@ -71,11 +71,15 @@ class DraftCalls:
     def wait(self) -> DraftStepOutput:
         return self.executor.wait_draft()
 
+    # the last waited-for call's forwards (worker seconds each; the engine clears it before a step it times)
+    forward_s: list[float] = field(default_factory=list)
+
     def run(self, msg: DraftStep) -> DraftStepOutput:
         """A call the controller waits for: its worker time counts as the step's draft time."""
         self.submit(msg)
         out = self.wait()
         self.times.draft_s += out.elapsed_s
+        self.forward_s = out.forward_s
         return out
 
     def prefills(self, batch: ScheduledBatch) -> list[PrefillSeq]:

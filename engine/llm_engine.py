@@ -122,7 +122,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
-        calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
+        calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:
             self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
             self.pipeline.switch.enabled = spec.pipeline_switch
@@ -294,6 +294,8 @@ class LLMEngine:
             time.sleep(_HELD_IDLE_S)  # the replacement draft is loading: leave it the CPU
             return
         sample = self._step_shape(batch) if learns else None  # what the step runs, before the counters move
+        if learns:
+            self._draft_calls.forward_s = []
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
@@ -320,6 +322,7 @@ class LLMEngine:
         sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
         if self.pipeline is None:  # sequential: the worker's own share is known apart (pipelined: hidden)
             sample.draft_worker_s = t.draft_s - before.draft_s
+            sample.draft_forward_s = list(self._draft_calls.forward_s)
         sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
         return sample
 

@@ -21,16 +21,26 @@ class PositionCounts:
     """Exponentially weighted (accepted, tried) per position."""
 
     decay: float  # weight kept by the old counts each time a position is tried
+    # ... and each round that does not reach it: a depth the request stopped reaching drifts back to the prior
+    # instead of keeping the miss that made the policy stop short of it. Aged only when tried, one early miss at
+    # depth 3 could keep a greedy request (90 % acceptance per position) on chains of 2 to its end. Slower than
+    # ``decay``: aged as fast, a deep position's few reached rounds made its estimate noisy, and the depths flapped.
+    idle_decay: float = 1.0
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
 
     def observe(self, depth: int, num_accepted: int) -> None:
-        for j in range(min(num_accepted + 1, depth)):
-            if j >= len(self.tried):
-                self.accepted.append(0.0)
-                self.tried.append(0.0)
-            self.accepted[j] = self.decay * self.accepted[j] + (j < num_accepted)
-            self.tried[j] = self.decay * self.tried[j] + 1.0
+        reached = min(num_accepted + 1, depth)
+        while len(self.tried) < reached:
+            self.accepted.append(0.0)
+            self.tried.append(0.0)
+        for j in range(len(self.tried)):
+            if j < reached:
+                self.accepted[j] = self.decay * self.accepted[j] + (j < num_accepted)
+                self.tried[j] = self.decay * self.tried[j] + 1.0
+            else:  # not reached this round: its evidence ages all the same, more slowly (see ``idle_decay``)
+                self.accepted[j] *= self.idle_decay
+                self.tried[j] *= self.idle_decay
 
     def rate(self, j: int, prior: float, prior_weight: float) -> float:
         a, t = (self.accepted[j], self.tried[j]) if j < len(self.tried) else (0.0, 0.0)
@@ -43,6 +53,7 @@ class PositionCounts:
 @dataclass
 class AcceptanceTracker:
     request_decay: float = 0.8  # a request's memory: ~5 rounds
+    request_idle_decay: float = 0.93  # ... of a depth it does not reach: ~14 rounds
     engine_decay: float = 0.995  # the engine's: ~200 rounds
     prior_weight: float = 2.0  # how many rounds of evidence the prior is worth
     _engine: dict[tuple[bool, bool], PositionCounts] = field(default_factory=dict)  # (greedy, tree) -> counts
@@ -60,7 +71,10 @@ class AcceptanceTracker:
             return
         self._seen[greedy] = self._seen.get(greedy, 0) + 1
         self._counts(self._engine, (greedy, tree), self.engine_decay).observe(depth, num_accepted)
-        self._counts(self._requests, (seq_id, tree), self.request_decay).observe(depth, num_accepted)
+        counts = self._requests.get((seq_id, tree))
+        if counts is None:
+            counts = self._requests[(seq_id, tree)] = PositionCounts(self.request_decay, self.request_idle_decay)
+        counts.observe(depth, num_accepted)
 
     def forget(self, seq_id: int) -> None:
         self._requests.pop((seq_id, False), None)

@@ -12,10 +12,12 @@ way). Each part is a measured curve, not an assumed formula:
   log2 bucket of the sequence count keeps its own curve (``verify_by_seqs``): a plan, whose sequences are the
   batch's at every depth, is priced on its batch's curve, and past that curve's measured sizes on the shape of
   the all-steps curve, scaled to meet it;
-- ``draft``: seconds of one draft forward vs the tokens it carries; a round of depth D costs D forwards, the
-  f-th one over the requests still deeper than f (a chain of K forwards its in-flight tokens, then levels
-  1..K-1; the deepest level is never forwarded);
-- ``draft_call``: the draft call's fixed part (messaging, the controller's share) vs the requests drafted, paid
+- ``draft``: seconds of one draft forward (with the sampling of the level it feeds) vs the tokens it carries,
+  each forward as the draft worker timed it; a round of depth D costs D forwards, the f-th one over the
+  requests still deeper than f (a chain of K forwards its in-flight tokens, then levels 1..K-1; the deepest
+  level is never forwarded);
+- ``draft_call``: the draft call's fixed part (messaging, the worker's commit and layout, the controller's
+  share) vs the requests drafted, paid
   once a step when anyone speculates. Charging it to the forwards instead (the call time / its forwards) makes a
   depth-2 step's forwards look twice as dear as a depth-4 step's, and the policy that runs short chains learns
   that deeper ones are dear too;
@@ -140,6 +142,9 @@ class StepSample:
     # The draft worker's own time of the call (None: not known apart, e.g. pipelined, where it is hidden): the
     # rest of draft_s is the call's fixed part.
     draft_worker_s: float | None = None
+    # The worker's seconds of each forward (with the sampling it feeds), when it timed them apart; the rest of
+    # draft_s is the call's fixed part.
+    draft_forward_s: list[float] | None = None
 
 
 @dataclass
@@ -164,11 +169,19 @@ class CostModel:
             self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(s.verify_tokens, s.verify_s)
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:
-            # The forwards of one call cannot be timed apart: charge each the mean, at its mean size.
-            worker = s.draft_s if s.draft_worker_s is None else min(s.draft_s, s.draft_worker_s)
-            self.draft.observe(sum(fwd) / len(fwd), worker / len(fwd))
-            if s.draft_worker_s is not None:
-                self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
+            if s.draft_forward_s is not None and len(s.draft_forward_s) == len(fwd):
+                # Each forward at its own size; the call's fixed part (messaging, commit, layout, results) apart.
+                # Charged the call's mean per forward, that fixed part made a chain of 2 look 8 % cheaper and a
+                # chain of 6 14 % dearer than they ran at batch 1 (the worker took ~1.6 ms + ~2.1 ms per forward),
+                # and the policy chose chains of 2-3 where 4-8 ran 15 % faster.
+                for n, sec in zip(fwd, s.draft_forward_s, strict=True):
+                    self.draft.observe(n, sec)
+                self.draft_call.observe(fwd[0], max(0.0, s.draft_s - sum(s.draft_forward_s)))
+            else:  # not timed apart: charge each forward the mean, at its mean size
+                worker = s.draft_s if s.draft_worker_s is None else min(s.draft_s, s.draft_worker_s)
+                self.draft.observe(sum(fwd) / len(fwd), worker / len(fwd))
+                if s.draft_worker_s is not None:
+                    self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
         self.state.observe(s.num_seqs, s.state_s)
 
     def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:

@@ -112,12 +112,20 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
         steps["drafting" if len(calls) > batch_before else "plain"] += 1
 
     monkeypatch.setattr(engine, "_step", counted)
+    samples = []
+    observe = policy.observe_step
+    monkeypatch.setattr(policy, "observe_step", lambda s: (samples.append(s), observe(s))[1])
     greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 17, 24)]
     got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
     got += [o.token_ids for o in llm.generate(PROMPTS[:2], greedy[:2])]  # the first batch's dropped ids travel
     llm.shutdown()
     assert steps["plain"] >= 10 and all(m.seqs or m.prefills for m in calls), (steps, len(calls))
     assert any(m.finished for m in calls)
+    # the draft worker timed each forward of a drafting step apart (the cost model prices each at its size)
+    drafting = [s for s in samples if s.draft_forward_tokens]
+    assert drafting and all(len(s.draft_forward_s) == len(s.draft_forward_tokens) and min(s.draft_forward_s) > 0
+                            and sum(s.draft_forward_s) <= s.draft_worker_s for s in drafting)
+    assert all(not s.draft_forward_s for s in samples if not s.draft_forward_tokens)
     with LLM(llama.target, None, block_size=4) as plain:
         want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
         want += [o.token_ids for o in plain.generate(PROMPTS[:2], greedy[:2])]

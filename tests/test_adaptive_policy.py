@@ -306,6 +306,36 @@ def test_the_draft_calls_fixed_part_is_not_charged_per_forward() -> None:
     assert c.draft_seconds([]) == 0.0
 
 
+def test_each_draft_forward_is_priced_at_its_own_size() -> None:
+    """The worker times every forward: the first (the in-flight tokens, 4 here) 3 ms, the one-token levels 1 ms
+    each, the call 1 ms on top. A chain of 2 must cost 1 + 3 + 1 ms and one of 8 1 + 3 + 7 ms; charged the call's
+    mean per forward at the mean size (2.5 and 1.375 tokens, one bucket) both sit between, and the short chain
+    looks cheaper than it is."""
+    c = CostModel()
+    for depth in (2, 8) * 20:
+        fwd = [4] + [1] * (depth - 1)
+        secs = [3 * MS] + [1 * MS] * (depth - 1)
+        c.observe(StepSample(4 + depth, 10 * MS, fwd, sum(secs) + 1 * MS, False, 1, 0.0,
+                             draft_worker_s=sum(secs), draft_forward_s=secs))
+    assert c.draft_seconds([4, 1]) == pytest.approx(5 * MS, rel=0.05)
+    assert c.draft_seconds([4] + [1] * 7) == pytest.approx(11 * MS, rel=0.05)
+
+
+def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
+    """One miss at depth 3 early on, then rounds of depth 2 that accept both: the request's rate at depth 3 must
+    return towards the engine's (0.9 here) as its evidence ages, not keep the miss until the request ends (its
+    shallow rounds never try depth 3 again)."""
+    t = AcceptanceTracker()
+    for _ in range(200):
+        t.observe(99, True, False, 4, 4 if random.Random(_).random() < 0.9 else 2)  # the engine: ~0.9 at depth 3
+    t.observe(0, True, False, 4, 2)  # the request's one round at depth 4: depth 3 missed
+    prior = t.engine_rates(True, 4)
+    assert t.rates(0, True, 4, prior=prior)[2] < prior[2] - 0.2
+    for _ in range(30):
+        t.observe(0, True, False, 2, 2)
+    assert t.rates(0, True, 4, prior=prior)[2] > prior[2] - 0.1
+
+
 # ---------------------------------------------------------------------------- seeded sampled requests: pinned
 def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -> None:
     """A seeded T > 0 request's tokens depend on its depths: it runs the configured shape, the others are planned
@@ -482,4 +512,4 @@ def test_while_speculating_a_deeper_size_measured_dear_is_measured_again() -> No
         d = max(map(len, p.plan(req)))
         depths.append(d)
         p.observe_step(StepSample(1 + d, 10 * MS, [1] * d, 1 * MS * d, False, 1, 0.05 * MS))
-    assert depths[0] <= 3 and K_MAX in depths[:40] and sorted(depths[-20:])[10] > 4, depths  # (0: plain explored)
+    assert depths[0] <= 3 and K_MAX in depths[:48] and sorted(depths[-12:])[6] > 4, depths  # (0: plain explored)

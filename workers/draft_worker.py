@@ -117,6 +117,7 @@ class DraftWorker(WorkerBase):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._scratch: dict[int, _Scratch] = {}
+        self._marks: list[float] = []  # start of each forward of the current step (perf_counter)
         self._next_tree_id = 0  # the same on every rank: each rank drafts the same trees
         # Where the laws of sampled trees go (the verifier's LawStore, or a socket to it); None: nowhere (ranks
         # other than 0).
@@ -136,6 +137,7 @@ class DraftWorker(WorkerBase):
 
     def _forward(self, pieces: list[SeqForward]) -> torch.Tensor:
         """The draft's logits at the pieces' logit nodes: [rows, Vd], or [rows, Vt] for a mapped draft."""
+        self._marks.append(time.perf_counter())  # each forward's segment runs to the next one's start
         if self.vocab_map is None:
             return self.runner.forward(pieces)
         # Every token fed to a mapped draft (prefix, in-flight, predicted, tree nodes) is a full-vocabulary id.
@@ -156,6 +158,7 @@ class DraftWorker(WorkerBase):
     @torch.inference_mode()
     def step(self, msg: DraftStep) -> DraftStepOutput:
         start = time.perf_counter()
+        self._marks = []
         self.drop(msg.finished)
         self._commit(msg.commits)
         reqs = [self._layout(s) for s in msg.seqs]
@@ -195,6 +198,8 @@ class DraftWorker(WorkerBase):
                 gen = self._stream(r.seq.sampling, r.seq.base_len + depths[root] + 1)
                 r.trees.append(_Tree(root=root, generator=gen))
         self._grow(reqs, at)
+        marks = [*self._marks, time.perf_counter()]
+        forward_s = [b - a for a, b in zip(marks, marks[1:], strict=False)]
         results, laws = [], []
         for r in reqs:
             trees = [self._finish(r.seq.seq_id, t, len(r.seq.branching), laws) for t in r.trees]
@@ -203,7 +208,7 @@ class DraftWorker(WorkerBase):
                                                    r.trees[0].scratch if r.trees else [])
         if laws and self.law_sink is not None:
             self.law_sink(laws)  # before the reply: the verifier may already be waiting for them
-        return DraftStepOutput(results, time.perf_counter() - start)
+        return DraftStepOutput(results, time.perf_counter() - start, forward_s)
 
     def _layout(self, s: DraftSeq) -> _Request:
         parents = scratch_parents(len(s.token_ids), s.pred_parents)

@@ -115,6 +115,9 @@ class DraftResult:
 class DraftStepOutput:
     results: list[DraftResult]  # one per DraftSeq, same order
     elapsed_s: float = 0.0  # worker-side time of the whole step
+    # worker-side seconds of each draft forward, in order, each with the drafting it feeds (sampling the next
+    # level); the rest of elapsed_s is the call's own (commit, layout, results). Empty: not timed apart.
+    forward_s: list[float] = field(default_factory=list)
 
 
 @dataclass
