@@ -40,6 +40,9 @@ class _Point:
     x: float  # weighted mean argument in this bucket
     y: float  # weighted mean seconds
     step: int  # when it was last updated
+    # Re-measurements after a gap (explorations) in a row that found the bucket where it was: the policy spaces
+    # its explorations of a size further apart the more often it found nothing new there.
+    confirms: int = 0
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Curve:
 
     decay: float = 0.1  # weight of a new measurement in its bucket (~10 steps: CPU step times are noisy)
     max_jump: float = 0.5  # the most weight one measurement gets in a bucket that has a value
+    confirm_tol: float = 0.15  # a re-measurement within this (relative) of the bucket's value confirms it
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
@@ -66,6 +70,8 @@ class Curve:
         if p is None:
             self.points[b] = _Point(float(x), seconds, self.clock)
             return
+        if self.clock - p.step > 1:  # measured again after a gap: did it find the value where it was?
+            p.confirms = p.confirms + 1 if abs(seconds - p.y) <= self.confirm_tol * p.y else 0
         # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
         # after a long gap (an exploration step) moves most of the way to the new value instead of nudging it;
         # but never all the way, so one step that another process slowed down 3x does not become the curve.
@@ -226,6 +232,12 @@ class CostModel:
         c = self._priced_curve(num_seqs)
         age = c.age(verify_tokens)
         return age if age is not None or not c.points else c.clock
+
+    def verify_confirms(self, verify_tokens: float, num_seqs: int) -> int:
+        """Re-measurements in a row of a target call of about these tokens, at this batch size, that found its
+        price unchanged (0: never measured, or the last one moved it)."""
+        p = self._priced_curve(num_seqs).points.get(Curve.bucket(verify_tokens))
+        return 0 if p is None else p.confirms
 
     def verify_measured(self, verify_tokens: float, num_seqs: int) -> bool:
         """Whether the curve ``verify_seconds`` prices this from has measured a call of about these tokens."""

@@ -169,12 +169,13 @@ def test_exploration_measures_the_unused_plan_again() -> None:
     assert 1 <= len(explored) <= 3 and p.explored_steps == len(explored), explored
 
 
-def explorations(draft_ms: float, steps: int = 200) -> int:
+def explorations(draft_ms: float, steps: int = 200, backoff: int = 0, plain_noise: float = 0.0) -> int:
     """Plain-decode steps (explorations) while a chain of 4 runs: verify flat at 10 ms (memory-bound), each draft
-    forward ``draft_ms``, the chain's candidates accepted at 0.8 per position (3.36 tokens a round)."""
+    forward ``draft_ms``, the chain's candidates accepted at 0.8 per position (3.36 tokens a round). A plain
+    step measures 10 ms x (1 +- ``plain_noise``), alternately."""
     k = 4
     p = policy(costs(verify=lambda n: 10 * MS, draft=lambda n: draft_ms * MS), branching=(1,) * k,
-               explore_every=64)
+               explore_every=64, explore_backoff=backoff)
     req = requests(1)
     teach(p, req[0], 0.8, rounds=200, branching=(1,) * k)
     n = 0
@@ -182,7 +183,8 @@ def explorations(draft_ms: float, steps: int = 200) -> int:
         shapes = p.plan(req)
         n += shapes == [()]
         depth = max(map(len, shapes))
-        p.observe_step(StepSample(1 + depth, 10 * MS, [1] * depth, draft_ms * MS * depth, False, 1, 0.05 * MS))
+        verify = 10 * MS * (1 + (plain_noise if n % 2 else -plain_noise) if depth == 0 else 1)
+        p.observe_step(StepSample(1 + depth, verify, [1] * depth, draft_ms * MS * depth, False, 1, 0.05 * MS))
     return n
 
 
@@ -192,6 +194,15 @@ def test_an_unused_plan_predicted_close_is_explored_more_often() -> None:
     predicted 3x slower (fast draft), about every 20 steps (a plain step is cheap: it loses 2/3 of its 10 ms)."""
     close, far = explorations(3.9), explorations(0.3)
     assert close >= 2 * far >= 12, (close, far)
+
+
+def test_explorations_that_find_nothing_new_are_spaced_further_apart() -> None:
+    """Each exploration that measures plain decode where the curve had it doubles its interval (up to 8x): 25
+    explorations in 200 steps become a handful. One that finds it 30 % off (a changed machine) resets the
+    interval: measured alternately 30 % above and below, plain decode is explored as often as without backoff."""
+    plain = explorations(3.9)
+    assert explorations(3.9, backoff=3) <= plain // 3, plain
+    assert explorations(3.9, backoff=3, plain_noise=0.3) >= plain - 2
 
 
 def test_an_exploration_step_many_times_longer_than_a_plain_one_is_rare() -> None:
