@@ -68,6 +68,13 @@ class AcceptanceTracker:
 
     def observe(self, seq_id: int, greedy: bool, tree: bool, depth: int, num_accepted: int) -> None:
         if depth <= 0:
+            # A plain round: nothing tried, but the request's evidence ages. A greedy request that two misses put
+            # on plain decode otherwise stayed there until an exploration step (26 plain steps in a row at
+            # batch 1, served): its estimates only moved when it speculated.
+            for key in ((seq_id, False), (seq_id, True)):
+                counts = self._requests.get(key)
+                if counts is not None:
+                    counts.observe(0, 0)
             return
         self._seen[greedy] = self._seen.get(greedy, 0) + 1
         self._counts(self._engine, (greedy, tree), self.engine_decay).observe(depth, num_accepted)

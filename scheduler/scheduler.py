@@ -270,6 +270,6 @@ class Scheduler:
             req.num_cached_target = req.num_tokens + len(res.accepted_nodes)
             req.num_cached_draft = num_cached_draft.get(req.seq_id, req.num_cached_draft)
             req.stats.record_round(drafted, len(res.accepted_nodes), len(res.tokens), res.bonus)
-            if drafted and self.policy is not None:
-                self.policy.observe_round(req, shape, len(res.accepted_nodes))
+            if self.policy is not None:  # a plain round too: the request's acceptance evidence ages
+                self.policy.observe_round(req, shape if drafted else (), len(res.accepted_nodes) if drafted else 0)
             self.target_blocks.trim(req.seq_id, req.num_cached_target)

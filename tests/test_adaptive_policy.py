@@ -347,6 +347,34 @@ def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     assert t.rates(0, True, 4, prior=prior)[2] > prior[2] - 0.1
 
 
+def test_a_request_put_on_plain_decode_by_its_misses_speculates_again() -> None:
+    """Memory-bound costs, a draft the engine has measured at 0.9: two rounds that each missed the first candidate
+    put the request on plain decode. Its plain rounds age that evidence, and within tens of rounds it speculates
+    again; without them (the policy told nothing of plain rounds) it stays plain (its estimates only moved when it
+    speculated)."""
+    def run(tell_plain: bool) -> list[int]:
+        p = policy(costs(verify=lambda n: 10 * MS + 1.5 * MS * n, draft=lambda n: 5 * MS), min_rounds=0)
+        others = requests(4, start=100)
+        for r in others:
+            teach(p, r, 0.9, rounds=50, seed=r.seq_id)
+        req = requests(1)[0]
+        p.observe_round(req, (1,) * K_MAX, 0)
+        p.observe_round(req, (1,) * K_MAX, 0)
+        depths = []
+        for _ in range(40):
+            d = len(p.plan([req])[0])
+            depths.append(d)
+            if d:
+                break
+            if tell_plain:
+                p.observe_round(req, (), 0)
+        return depths
+
+    told, untold = run(True), run(False)
+    assert told[0] == 0 and told[-1] > 0 and len(told) <= 30, told
+    assert untold == [0] * 40, untold
+
+
 # ---------------------------------------------------------------------------- seeded sampled requests: pinned
 def test_seeded_sampled_requests_run_the_configured_shape_whatever_the_costs() -> None:
     """A seeded T > 0 request's tokens depend on its depths: it runs the configured shape, the others are planned
