@@ -177,9 +177,9 @@ class CostModel:
         if fwd and not s.draft_prefill:
             if s.draft_forward_s is not None and len(s.draft_forward_s) == len(fwd):
                 # Each forward at its own size; the call's fixed part (messaging, commit, layout, results) apart.
-                # Charged the call's mean per forward, that fixed part made a chain of 2 look 8 % cheaper and a
-                # chain of 6 14 % dearer than they ran at batch 1 (the worker took ~1.6 ms + ~2.1 ms per forward),
-                # and the policy chose chains of 2-3 where 4-8 ran 15 % faster.
+                # At batch 1 the first forward (the in-flight tokens) took 3.2-3.9 ms and the one-token levels
+                # 2.4-2.9 (built-in draft): charged the call's mean at the mean size, a chain of 2's forwards were
+                # priced like a chain of 8's, though each cost more.
                 for n, sec in zip(fwd, s.draft_forward_s, strict=True):
                     self.draft.observe(n, sec)
                 self.draft_call.observe(fwd[0], max(0.0, s.draft_s - sum(s.draft_forward_s)))
