@@ -129,21 +129,13 @@ def _knee(values: list[float], points: list[dict[str, Any]], args: argparse.Name
     return {"points": points, "knee": knee.to_json()}
 
 
-def run_ladder(url: str, kind: str, values: list[float], args: argparse.Namespace, name: str) -> dict[str, Any]:
-    points: list[dict[str, Any]] = []
-    for v in values:
-        points.append(run_rung(url, kind, v, args, name))
-        if _climbing_stops(values, points, args):
-            break
-    return _knee(values, points, args)
-
-
 def run_interleaved(configs: list[ServerConfig], kind: str, values: list[float], args: argparse.Namespace,
                     server_args: list[str]) -> list[dict[str, Any]]:
-    """Every server up at once, each rung run on every configuration in turn, ``--repeats`` times in rotating
-    order, keeping the run of median throughput. On a shared machine throughput drifts by tens of percent over
-    minutes (the same server and rung gave 227 and 309 out tok/s ten minutes apart on the 2-core CI machine);
-    run one configuration's whole ladder after another's and the drift lands in their ratios."""
+    """The configurations' servers up at once, each rung run on every configuration in turn, ``--repeats`` times
+    in rotating order, keeping the run of median throughput. On a shared machine throughput drifts by tens of
+    percent over minutes (the same server and rung gave 227 and 309 out tok/s ten minutes apart on the 2-core CI
+    machine); run one configuration's whole ladder after another's and the drift lands in their ratios. Without
+    ``--interleave`` this runs for one configuration at a time (its server stopped before the next starts)."""
     entries: list[dict[str, Any]] = [{"name": c.name, "speculative_config": c.speculative_config, "url": c.url}
                                      for c in configs]
     points: list[list[dict[str, Any]]] = [[] for _ in configs]
@@ -195,28 +187,6 @@ def warm_up(url: str, args: argparse.Namespace) -> None:
         run_benchmark(cfg, build_requests(args, args.warmup_requests))
 
 
-def run_config(c: ServerConfig, kind: str, values: list[float], args: argparse.Namespace,
-               server_args: list[str]) -> dict[str, Any]:
-    entry: dict[str, Any] = {"name": c.name, "speculative_config": c.speculative_config, "url": c.url}
-    try:
-        if c.url is not None:
-            warm_up(c.url, args)
-            entry.update(run_ladder(c.url, kind, values, args, c.name))
-        else:
-            cmd = serve_command(["--speculative-config", c.speculative_config, *server_args],
-                                shlex.split(args.server_command) or None)
-            entry["server_command"] = cmd
-            log = os.path.join(args.out_dir, f"server-{c.name}.log")
-            with ServerProcess(cmd, log, args.startup_timeout) as server:
-                entry["url"] = server.url
-                warm_up(server.url, args)
-                entry.update(run_ladder(server.url, kind, values, args, c.name))
-    except (RuntimeError, TimeoutError, ValueError, OSError) as e:
-        entry["error"] = f"{type(e).__name__}: {e}"
-        print(f"[{c.name}] failed: {e}", file=sys.stderr, flush=True)
-    return entry
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specserve bench sweep", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -261,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "specserve bench sweep " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "ladder": {"kind": kind, "values": [v if math.isfinite(v) else "inf" for v in values]},
         "configs": (run_interleaved(configs, kind, values, args, server_args) if args.interleave
-                    else [run_config(c, kind, values, args, server_args) for c in configs]),
+                    else [e for c in configs for e in run_interleaved([c], kind, values, args, server_args)]),
     }
     with open(os.path.join(args.out_dir, "sweep.json"), "w", encoding="utf-8") as f:
         json.dump(sweep, f, indent=1)
