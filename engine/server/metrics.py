@@ -53,7 +53,7 @@ def read_engine_stats(engine: Any) -> EngineStats:
         kv_cache_usage=1.0 - blocks.num_free / blocks.num_blocks,
         num_drafts=spec.num_rounds, num_draft_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
         accepted_per_position=tuple(spec.accepted_per_position),
-        chosen_depths=tuple(getattr(spec, "chosen_depths", {}).items()))
+        chosen_depths=tuple(spec.chosen_depths.items()))
 
 
 class ServerMetrics:
@@ -112,19 +112,18 @@ class ServerMetrics:
         name, last = self.model_name, self._last
         self.kv_usage.labels(name).set(s.kv_cache_usage)
         self.running.labels(name).set(s.num_running)
-        for metric, now, before in ((self.drafts, s.num_drafts, last.num_drafts),
-                                    (self.draft_tokens, s.num_draft_tokens, last.num_draft_tokens),
-                                    (self.accepted_tokens, s.num_accepted_tokens, last.num_accepted_tokens)):
+        advances = [(self.drafts, (name,), s.num_drafts, last.num_drafts),
+                    (self.draft_tokens, (name,), s.num_draft_tokens, last.num_draft_tokens),
+                    (self.accepted_tokens, (name,), s.num_accepted_tokens, last.num_accepted_tokens)]
+        before_pos = dict(enumerate(last.accepted_per_position))
+        advances += [(self.accepted_per_pos, (name, str(pos)), now, before_pos.get(pos, 0))
+                     for pos, now in enumerate(s.accepted_per_position)]
+        before_depth = dict(last.chosen_depths)
+        advances += [(self.chosen_depth, (name, depth), now, before_depth.get(depth, 0))
+                     for depth, now in s.chosen_depths]
+        for metric, labels, now, before in advances:
             if now > before:
-                metric.labels(name).inc(now - before)
-        for pos, now in enumerate(s.accepted_per_position):
-            before = last.accepted_per_position[pos] if pos < len(last.accepted_per_position) else 0
-            if now > before:
-                self.accepted_per_pos.labels(name, str(pos)).inc(now - before)
-        before_depths = dict(last.chosen_depths)
-        for depth, now in s.chosen_depths:
-            if now > before_depths.get(depth, 0):
-                self.chosen_depth.labels(name, depth).inc(now - before_depths.get(depth, 0))
+                metric.labels(*labels).inc(now - before)
         self._last = s
 
     def observe_first_output(self, ttft_s: float, prompt_tokens: int) -> None:
