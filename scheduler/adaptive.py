@@ -340,10 +340,8 @@ class AdaptivePolicy:
         pinned = self._pinned_verify()
         nseqs = len(rs) + len(self._pinned)
         sizes = [sum(r.inflight for r in rs) + pinned + sum(self.base.num_nodes(len(s)) for s in c) for c in cands]
-        ages = [self._cost.verify_age(v, nseqs) for v in sizes]
-        measured = [self._cost.verify_measured(v, nseqs) for v in sizes]
-        backoff = [2 ** min(self.explore_backoff, self._cost.verify_confirms(v, nseqs)) for v in sizes]
-        if all(a is not None and a < self.explore_min and m for a, m in zip(ages, measured, strict=True)):
+        records = [self._cost.verify_record(v, nseqs) for v in sizes]
+        if all(r.age is not None and r.age < self.explore_min and r.measured for r in records):
             return None  # the common step: no candidate can be due (a measured size's interval is >= explore_min)
         # Priced with the draft's real catch-up: a request that decoded plainly feeds the draft every token since
         # its last round (its whole prefix the first time), and each exploration pays that again. At batch 64 on
@@ -351,12 +349,13 @@ class AdaptivePolicy:
         real = [dataclasses.replace(r, lag=r.catchup) for r in rs]
         alternatives = not any(chosen.shapes)  # two depths, either of which measures what plain decode lacks
         timed = []  # (interval, age, shapes)
-        for c, a, m, b in zip(cands, ages, measured, backoff, strict=True):
-            if a is None:
+        for c, rec in zip(cands, records, strict=True):
+            if rec.age is None:
                 return c
-            if alternatives or a >= self.explore_min or not m:
-                interval = min(self.explore_every, b * self._explore_interval(chosen, self.price(real, c), m))
-                timed.append((interval, a, c))
+            if alternatives or rec.age >= self.explore_min or not rec.measured:
+                backoff = 2 ** min(self.explore_backoff, rec.confirms)
+                interval = backoff * self._explore_interval(chosen, self.price(real, c), rec.measured)
+                timed.append((min(self.explore_every, interval), rec.age, c))
         if timed and alternatives:  # the one that loses less
             timed = [min(timed, key=lambda t: t[0])]
         due = [(a / max(interval, 1.0), c) for interval, a, c in timed if a >= interval]

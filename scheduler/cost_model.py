@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -153,6 +154,12 @@ class StepSample:
     draft_forward_s: list[float] | None = None
 
 
+class VerifyRecord(NamedTuple):
+    age: int | None  # steps since measured (see ``CostModel.verify_record``)
+    measured: bool  # ever measured at this batch size
+    confirms: int  # re-measurements in a row that found the price unchanged
+
+
 @dataclass
 class CostModel:
     verify: Curve = field(default_factory=Curve)
@@ -224,24 +231,18 @@ class CostModel:
         c = self.verify_by_seqs.get(Curve.bucket(num_seqs))
         return self.verify if c is None or not c.points else c
 
-    def verify_age(self, verify_tokens: float, num_seqs: int) -> int | None:
-        """Steps of about this many sequences since a target call of about these tokens was measured, on the
-        curve ``verify_seconds`` prices it from; a size never measured there counts from the curve's first step
-        (None: nothing measured at all). Counting it as due at once ran a chain-of-4 step at batch 64 first
-        thing in every run (1.2 s verify and 1.6 s of draft catch-up, against 0.3 s for a plain step)."""
+    def verify_record(self, verify_tokens: float, num_seqs: int) -> VerifyRecord:
+        """What the curve ``verify_seconds`` prices a target call of about these tokens from knows of that size.
+
+        ``age``: steps of about this many sequences since it was measured; a size never measured there counts
+        from the curve's first step (None: nothing measured at all). Counting it as due at once ran a chain-of-4
+        step at batch 64 first thing in every run (1.2 s verify and 1.6 s of draft catch-up, against 0.3 s for a
+        plain step). ``confirms``: re-measurements in a row that found its price unchanged."""
         c = self._priced_curve(num_seqs)
-        age = c.age(verify_tokens)
-        return age if age is not None or not c.points else c.clock
-
-    def verify_confirms(self, verify_tokens: float, num_seqs: int) -> int:
-        """Re-measurements in a row of a target call of about these tokens, at this batch size, that found its
-        price unchanged (0: never measured, or the last one moved it)."""
-        p = self._priced_curve(num_seqs).points.get(Curve.bucket(verify_tokens))
-        return 0 if p is None else p.confirms
-
-    def verify_measured(self, verify_tokens: float, num_seqs: int) -> bool:
-        """Whether the curve ``verify_seconds`` prices this from has measured a call of about these tokens."""
-        return self._priced_curve(num_seqs).age(verify_tokens) is not None
+        p = c.points.get(Curve.bucket(verify_tokens))
+        if p is None:
+            return VerifyRecord(c.clock if c.points else None, False, 0)
+        return VerifyRecord(c.clock - p.step, True, p.confirms)
 
     def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
         """The draft call of a step with these forwards (0 without any)."""
