@@ -3,9 +3,18 @@
 A sequence owns a block table. ``reserve`` grows it to cover the committed tokens plus this round's scratch
 nodes; ``trim`` gives back the blocks past the committed length once the round is committed; ``free`` releases
 everything when the request finishes or is preempted.
+
+The lowest free block is handed out first (a heap, not a stack). A sequence's blocks then lie in ascending runs
+wherever the pool has them, and the attention's gather of its context reads memory in order. Handed out in the
+order they were freed, the blocks of a pool that had served many sequences (the adaptive policy's start-up
+profiling runs up to 64 at once) came out scattered, and every later draft and target forward was 5-20 % slower
+than on a fresh pool (built-in pair, batch 1, chain of 4: 10.2 vs 8.4 ms per draft call, 13.5 vs 12.8 per
+verify, measured side by side).
 """
 
 from __future__ import annotations
+
+import heapq
 
 
 class BlockManager:
@@ -14,8 +23,7 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Pop from the end; reversed so block 0 is handed out first (easier to read in tests).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free: list[int] = list(range(num_blocks))  # a heap: the lowest free block first
         self.tables: dict[int, list[int]] = {}
 
     @property
@@ -36,7 +44,7 @@ class BlockManager:
             raise MemoryError(f"need {need} KV blocks, {len(self._free)} free")
         table = self.tables.setdefault(seq_id, [])
         for _ in range(need):
-            table.append(self._free.pop())
+            table.append(heapq.heappop(self._free))
         return table
 
     def trim(self, seq_id: int, num_slots: int) -> None:
@@ -46,9 +54,9 @@ class BlockManager:
             return
         keep = -(-num_slots // self.block_size)
         while len(table) > keep:
-            self._free.append(table.pop())
+            heapq.heappush(self._free, table.pop())
 
     def free(self, seq_id: int) -> None:
         table = self.tables.pop(seq_id, None)
-        if table:
-            self._free.extend(reversed(table))
+        for block in table or ():
+            heapq.heappush(self._free, block)

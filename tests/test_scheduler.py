@@ -121,6 +121,25 @@ def test_block_manager_never_leaks_under_random_use() -> None:
     assert bm.num_free == bm.num_blocks
 
 
+def test_a_used_pool_still_hands_out_blocks_in_ascending_runs() -> None:
+    """After many sequences were freed in scrambled order (the adaptive start-up profiling runs up to 64 at once),
+    a new sequence's blocks are the lowest free ones in order, as from a fresh pool: handed out in the order they
+    were freed, its context lay scattered and every later forward's gather of it was 5-20 % slower."""
+    bm = BlockManager(64, 4)
+    rng = random.Random(0)
+    for seq in range(16):
+        bm.reserve(seq, 4 * rng.randrange(1, 5))
+    order = list(range(16))
+    rng.shuffle(order)
+    for seq in order:
+        bm.trim(seq, 4)  # some blocks back early, the rest with the sequence
+        bm.free(seq)
+    assert bm.reserve(100, 4 * 10) == list(range(10))
+    bm.reserve(101, 4 * 3)
+    bm.free(100)
+    assert bm.reserve(102, 4 * 12) == [*range(10), 13, 14]
+
+
 # ---------------------------------------------------------------------------------------------------- admission
 def test_admission_in_arrival_order_up_to_max_num_seqs() -> None:
     sched = make_sched(max_seqs=2)
