@@ -155,6 +155,8 @@ def noisy_run(hysteresis: float, steps: int = 300) -> int:
     rng = random.Random(7)
     cost = costs(verify=lambda n: 10 * MS + 0.8 * MS * n, draft=lambda n: 0.5 * MS)
     p = policy(cost, hysteresis=hysteresis, explore_every=10**9, explore_min=10**9)  # no exploration
+    # Noisy acceptance estimates: a request's few rounds weigh about as much as the engine's rates.
+    p.acceptance.request_prior_weight = 2.0
     reqs = requests(8)
     changes, last = 0, None
     for _ in range(steps):
@@ -360,7 +362,7 @@ def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     """One miss at depth 3 early on, then rounds of depth 2 that accept both: the request's rate at depth 3 must
     return towards the engine's (0.9 here) as its evidence ages, not keep the miss until the request ends (its
     shallow rounds never try depth 3 again)."""
-    t = AcceptanceTracker()
+    t = AcceptanceTracker(request_prior_weight=2.0)  # one miss weighs enough to move the request's estimate
     for _ in range(200):
         t.observe(99, True, False, 4, 4 if random.Random(_).random() < 0.9 else 2)  # the engine: ~0.9 at depth 3
     t.observe(0, True, False, 4, 2)  # the request's one round at depth 4: depth 3 missed
@@ -371,6 +373,53 @@ def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     assert t.rates(0, True, 4, prior=prior)[2] > prior[2] - 0.1
 
 
+def _rounds(t: AcceptanceTracker, seq_id: int, rate: float, rounds: int, rng: random.Random) -> None:
+    for _ in range(rounds):  # chains of 4, each candidate accepted with probability ``rate``
+        a = 0
+        while a < 4 and rng.random() < rate:
+            a += 1
+        t.observe(seq_id, True, False, 4, a)
+
+
+def _finish(t: AcceptanceTracker, seq_ids: range, rate: float, rounds: int = 30) -> None:
+    rng = random.Random(seq_ids.start)
+    for s in seq_ids:
+        _rounds(t, s, rate, rounds, rng)
+        t.forget(s)
+
+
+def test_alike_requests_make_one_miss_weigh_little() -> None:
+    """Requests that all accept ~0.9 (their rates scatter by no more than their noise): the engine's rates are
+    worth many rounds, and a new request's one miss leaves it near them. With a request's own rounds weighing
+    about as much as the prior (the old fixed weight of 2) one miss put a greedy request that accepts ~90 % at a
+    0.6 draft and on chains of 1-2."""
+    t = AcceptanceTracker()
+    _finish(t, range(0, 16), 0.9)
+    assert t.request_weight(True) >= 16
+    t.observe(100, True, False, 4, 0)
+    prior = t.engine_rates(True, 4)
+    assert t.rates(100, True, 4, prior=prior)[0] > prior[0] - 0.06
+    fixed = AcceptanceTracker(request_prior_weight=2.0)
+    _finish(fixed, range(0, 16), 0.9)
+    fixed.observe(100, True, False, 4, 0)
+    assert fixed.rates(100, True, 4, prior=fixed.engine_rates(True, 4))[0] < prior[0] - 0.25  # the control
+
+
+def test_requests_that_differ_keep_their_own_rates() -> None:
+    """Half the requests accept 0.95, half 0.4: the spread is real, the prior is worth few rounds, and each
+    request's own rounds decide (finished or still running)."""
+    t = AcceptanceTracker()
+    _finish(t, range(0, 8), 0.95)
+    _finish(t, range(8, 16), 0.4)
+    assert t.request_weight(True) <= 3.0
+    running = AcceptanceTracker()
+    _finish(running, range(0, 1), 0.95)  # too few finished: the running requests measure the spread
+    rng = random.Random(3)
+    for s, rate in ((20, 0.95), (21, 0.4), (22, 0.95), (23, 0.4)):
+        _rounds(running, s, rate, 20, rng)
+    assert running.request_weight(True) <= 4.0
+
+
 def test_a_request_put_on_plain_decode_by_its_misses_speculates_again() -> None:
     """Memory-bound costs, a draft the engine has measured at 0.9: two rounds that each missed the first candidate
     put the request on plain decode. Its plain rounds age that evidence, and within tens of rounds it speculates
@@ -378,6 +427,7 @@ def test_a_request_put_on_plain_decode_by_its_misses_speculates_again() -> None:
     speculated)."""
     def run(tell_plain: bool) -> list[int]:
         p = policy(costs(verify=lambda n: 10 * MS + 1.5 * MS * n, draft=lambda n: 5 * MS), min_rounds=0)
+        p.acceptance.request_prior_weight = 2.0  # two misses weigh enough to put the request on plain decode
         others = requests(4, start=100)
         for r in others:
             teach(p, r, 0.9, rounds=50, seed=r.seq_id)
