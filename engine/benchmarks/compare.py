@@ -374,13 +374,13 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                 else:
                     runs[m](None) if m == ALL_CORES_MODE else engine_run(llms[m], groups[:1], 2, temp, None)
             group_rows = {m: Row(m, temp, batch) for m in runs}
-            modes = list(runs)
+            order = list(runs)  # not ``modes``: a group may skip some (HF assisted runs batch 1 only)
             for rep in range(args.repeats):
                 # Rotating order (A B C, B C A, ...): the machine drifts, and a mode's place is not neutral. Run
                 # first in every repeat, no speculation measured 0.76-0.83x the adaptive policy at batch 64, T=0.8
                 # (larger random pair) while the policy ran plain decode throughout: the same work, which side by
                 # side in one process, in turn, measured alike.
-                for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+                for m in order[rep % len(order):] + order[:rep % len(order)]:
                     fn = runs[m]
                     row = group_rows[m]
                     t0, c0 = time.perf_counter(), time.process_time()
