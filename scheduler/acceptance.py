@@ -83,9 +83,9 @@ class _Spread:
         mu = self.mean
         noise = mu * (1.0 - mu) * self.inv_rounds
         spread = self.mean_sq - mu * mu - noise
-        if spread <= mu * (1.0 - mu) / (hi + 1.0):
+        if spread <= mu * (1.0 - mu) / (hi + 1.0):  # no measurable spread (or none at all): the most weight
             return hi
-        return min(hi, max(lo, mu * (1.0 - mu) / spread - 1.0))
+        return max(lo, mu * (1.0 - mu) / spread - 1.0)
 
 
 @dataclass

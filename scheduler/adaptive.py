@@ -286,10 +286,7 @@ class AdaptivePolicy:
         return self.price(rs, [(1,) * d for d in depths])
 
     def _prefix_seconds(self, p: _Prefix) -> float:
-        draft = sum(self._cost.draft(f) for f in p.forwards if f > 0)
-        if p.forwards and p.forwards[0] > 0:
-            draft += self._cost.draft_call(p.forwards[0])
-        return self._cost.verify_seconds(p.verify, p.nseqs) + draft + p.fixed_s
+        return self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards) + p.fixed_s
 
     def _best_prefix(self, rs: Sequence[_Req], cands: list[tuple[float, int, int]], base: _Prefix
                      ) -> tuple[int, float]:
