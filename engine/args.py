@@ -103,20 +103,18 @@ class EngineArgs:
         packaged_draft = packaged_default_draft(target)
         if target is None or builtin_target_name(target) or packaged_draft:
             # A built-in target (or a packaged one with a shipped draft, e.g. smollm2), with its default draft
-            # unless told otherwise (also under a config that sets only K).
-            # A packaged target's draft runs adaptive unless told otherwise: measured on this repository's 2-core
-            # machine, SmolLM2's shipped draft (acceptance ~2 at K = 4) made fixed-depth speculation 0.7-0.97x no
-            # speculation (the 49,152-row head's GEMM at 5 rows costs ~2.8x its one-row gemv), so the depth is
-            # left to measured costs (K = 0 where speculation does not pay).
-            defaults: dict = {}
+            # unless told otherwise (also under a config that sets only K). Its depth is the adaptive policy's
+            # (the default): SmolLM2's shipped draft (acceptance ~2 at K = 4) made fixed-depth speculation
+            # 0.7-0.97x no speculation on this repository's 2-core machine (the 49,152-row head's GEMM at 5 rows
+            # costs ~2.8x its one-row gemv), so K = 0 where speculation does not pay.
             if packaged_draft:
-                draft, defaults = packaged_draft, {"adaptive": True}
+                draft = packaged_draft
             else:
                 target, draft = default_model_dirs(builtin_target_name(target))
             if spec is None:
-                spec = {"method": "draft_model", "model": draft, **defaults}
+                spec = {"method": "draft_model", "model": draft}
             elif not no_spec and not isinstance(spec, SpeculativeConfig):
-                spec = {"model": draft, **defaults, **SpeculativeConfig.as_dict(spec)}
+                spec = {"model": draft, **SpeculativeConfig.as_dict(spec)}
         return EngineConfig(
             target=target, speculative=None if no_spec else SpeculativeConfig.parse(spec), tokenizer=self.tokenizer,
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,

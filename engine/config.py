@@ -13,7 +13,10 @@ from workers.gguf_loader import is_gguf, resolve_model_path
 from workers.loader import QUANTIZATION_CHOICES
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parent / "default_models"
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
+# ... and the adaptive policy's maximum: the measured best fixed depth at batch 1 on the built-in pair was 6-8
+# (engine/benchmarks/results/adaptive-2026-12-02b/builtin-b1.txt); the policy goes shallower where that pays.
+DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
 SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
 
@@ -60,7 +63,8 @@ class SpeculativeConfig:
 
     - ``method``: "draft_model" (alias "draft");
     - ``model``: draft checkpoint directory;
-    - ``num_speculative_tokens``: K, the depth of the candidate chain or tree;
+    - ``num_speculative_tokens``: K, the depth of the candidate chain or tree (the adaptive policy's maximum);
+      default: the tree's depth, else 8 with adaptive on and 4 with it off;
     - ``tree_branching``: children per node at each depth, e.g. [2, 2, 1, 1]; its length must equal K when both
       are given; default: a chain (all ones);
     - ``tree_sampling``: how siblings are drawn at temperature > 0: "iid" (with replacement, SpecInfer),
@@ -79,10 +83,10 @@ class SpeculativeConfig:
       thread beside the target (engine/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
-      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default false (the depth is
-      ``num_speculative_tokens``) until measurements on a quiet machine show the policy at least matching the
-      best fixed depth. Seeded sampled requests always run the configured shape (their tokens depend on the
-      depths; a seed must reproduce them);
+      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default true unless
+      ``num_speculative_tokens_per_batch_size`` fixes the schedule; false runs ``num_speculative_tokens`` (and
+      the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
+      depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
       adaptive policy's cost curves (default 3; 0: learn from the first requests);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
@@ -90,7 +94,7 @@ class SpeculativeConfig:
     """
 
     model: str
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    num_speculative_tokens: int | None = None  # None: the tree's depth, else 8 adaptive / 4 fixed
     method: str = "draft_model"
     tree_branching: list[int] | None = None
     tree_sampling: str = "iid"
@@ -103,7 +107,7 @@ class SpeculativeConfig:
     draft_cores: list[int] | None = None
     target_cores: list[int] | None = None
     quantization: str | None = None
-    adaptive: bool | None = None  # None: off (opt-in while it measures below the best fixed depth at batch 1)
+    adaptive: bool | None = None  # None: on, unless a batch-size schedule fixes the depths
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 3.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
 
@@ -115,6 +119,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("speculative_config.model must be a draft model directory")
+        if self.num_speculative_tokens is None:
+            if isinstance(self.tree_branching, (list, tuple)) and 1 <= len(self.tree_branching) <= 32:
+                self.num_speculative_tokens = len(self.tree_branching)
+            else:
+                self.num_speculative_tokens = (DEFAULT_ADAPTIVE_MAX_TOKENS if self.adaptive is not False
+                                               and self.num_speculative_tokens_per_batch_size is None
+                                               else DEFAULT_NUM_SPECULATIVE_TOKENS)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 32], got {k!r}")
@@ -166,7 +177,12 @@ class SpeculativeConfig:
 
     @property
     def is_adaptive(self) -> bool:
-        return bool(self.adaptive)
+        # On by default: a fixed depth pays for speculation where the batch is compute-bound (chain K = 4 was
+        # 0.64x no speculation at 64 requests, T = 0.8, on the built-in pair when this was written), the policy
+        # falls back to plain decode there (engine/benchmarks/results/adaptive-2026-12-02b/).
+        if self.adaptive is None:
+            return self.num_speculative_tokens_per_batch_size is None
+        return self.adaptive
 
     @property
     def batch_size_schedule(self) -> tuple[tuple[int, int], ...] | None:

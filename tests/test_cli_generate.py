@@ -54,16 +54,27 @@ def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
     from engine.llm_engine import EngineDeadError
     from workers.target_worker import TargetWorker
 
-    real_step = TargetWorker.step
-    calls = {"n": 0}
+    import engine.llm_engine
 
-    def failing_step(self, msg):  # the third target step fails, as a dying worker would
-        calls["n"] += 1
+    real_step, real_warm_up = TargetWorker.step, engine.llm_engine.warm_up_policy
+    calls = {"n": 0, "warming": False}
+
+    def failing_step(self, msg):  # the third target step of the user's requests fails, as a dying worker would
+        if not calls["warming"]:  # (the adaptive policy's start-up profiling steps are not counted)
+            calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
         return real_step(self, msg)
 
+    def warm_up(*args, **kwargs):
+        calls["warming"] = True
+        try:
+            return real_warm_up(*args, **kwargs)
+        finally:
+            calls["warming"] = False
+
     monkeypatch.setattr(TargetWorker, "step", failing_step)
+    monkeypatch.setattr(engine.llm_engine, "warm_up_policy", warm_up)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join([json.dumps({"id": "short", "prompt": "def f():", "max_tokens": 1}),
                               "{bad",

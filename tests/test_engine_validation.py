@@ -115,13 +115,18 @@ def test_speculative_config_from_json() -> None:
     assert cfg.tree_shape.branching == (2, 1, 1) and cfg.tree_shape.num_nodes == 6
 
 
-def test_adaptive_is_opt_in_and_the_batch_size_table() -> None:
-    assert not SpeculativeConfig.parse({"model": "d"}).is_adaptive  # opt-in until it beats a fixed depth here
-    assert not SpeculativeConfig.parse({"model": "d", "adaptive": False}).is_adaptive
-    assert SpeculativeConfig.parse({"model": "d", "adaptive": True}).is_adaptive
+def test_adaptive_is_the_default_and_the_batch_size_table() -> None:
+    default = SpeculativeConfig.parse({"model": "d"})
+    assert default.is_adaptive and default.num_speculative_tokens == 8  # K_max: the policy goes shallower
+    fixed = SpeculativeConfig.parse({"model": "d", "adaptive": False})
+    assert not fixed.is_adaptive and fixed.num_speculative_tokens == 4
+    assert SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3}).is_adaptive  # K_max 3
+    tree = SpeculativeConfig.parse({"model": "d", "tree_branching": [2, 1, 1]})
+    assert tree.is_adaptive and tree.num_speculative_tokens == 3  # the tree's depth
     cfg = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": {"16": 2, "1": 4,
                                                                                         "64": 0}})
-    assert not cfg.is_adaptive and cfg.batch_size_schedule == ((1, 4), (16, 2), (64, 0))
+    assert not cfg.is_adaptive and cfg.batch_size_schedule == ((1, 4), (16, 2), (64, 0))  # a fixed schedule
+    assert cfg.num_speculative_tokens == 4
     pairs = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens_per_batch_size": [[8, 1]]})
     assert pairs.batch_size_schedule == ((8, 1),)
 

@@ -51,7 +51,7 @@ def measure_bytes(target: str, draft: str, args, sampling: dict) -> dict:
     """Mean bytes per decode round by message kind (engine in this process, messages encoded to count them)."""
     from engine import LLM, codec
 
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": args.k},
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": args.k, "adaptive": False},
               max_num_seqs=args.batch)
     ex = llm.engine.executor
     sizes: dict[str, int] = defaultdict(int)
@@ -100,7 +100,7 @@ def measure_ray(target: str, draft: str, args, sampling: dict) -> dict:
     """Median and mean wall time of a decode step with the workers in Ray actors."""
     from engine import LLM
 
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": args.k},
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": args.k, "adaptive": False},
               max_num_seqs=args.batch, distributed_executor_backend="ray")
     try:
         eng = llm.engine

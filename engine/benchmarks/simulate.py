@@ -91,7 +91,7 @@ def record(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_pretrained(target)
     prompts = load_prompts(str(DEFAULT_MODELS_DIR / "prompts.jsonl"), load_tokenizer(target), cfg.vocab_size,
                            max(args.num_prompts, args.batch), cfg.max_model_len - args.max_tokens - args.k - 2)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k, "adaptive": False,
             "pipeline": args.mode == "pipelined", "pipeline_width": args.width,
             "pipeline_switch": False}  # a pipelined trace: every step pipelined
     if args.draft_process:  # the draft in its own process, one core per role (engine/draft_process.py)

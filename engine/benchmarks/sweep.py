@@ -5,7 +5,7 @@ stops itself, or the URL of a running server) it runs ``bench serve`` at each ru
 a request-rate ladder, from low load to past saturation, finds the saturation knee, and writes one JSON with
 everything, a markdown table and PNG plots into ``--out-dir``.
 
-    specserve bench sweep --config off=none --config chain4='{"num_speculative_tokens": 4}' \\
+    specserve bench sweep --config off=none --config chain4='{"num_speculative_tokens": 4, "adaptive": false}' \\
         --concurrency 1,2,4,8,16 --num-prompts 16 --max-tokens 64 --out-dir runs/sweep
 
 Each rung sends max(--num-prompts, --prompts-per-concurrency x concurrency) requests, so that high rungs

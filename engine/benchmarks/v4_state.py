@@ -131,9 +131,9 @@ def engine_throughput(max_tokens: int, target: str | None = None, draft: str | N
         draft = draft or default_model_dirs()[1]
         prompt_sets = {b: builtin_prompts(b) for b in (1, 8)}
     modes = {"no_spec": None,
-             "chain4": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
+             "chain4": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False},
              "tree221": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
-                         "tree_branching": [2, 2, 1]}}
+                         "tree_branching": [2, 2, 1], "adaptive": False}}
     out = []
     for batch, prompts in prompt_sets.items():
         for name, sp in modes.items():
