@@ -31,7 +31,9 @@ DETECT_S = 5.0  # a death must be noticed within this (Ray notices a killed proc
 
 
 def speculative(models: TPModels) -> dict:
-    return {"method": "draft_model", "model": models.draft, **TREE}
+    # The configured tree every round: these tests count steps to land their kills, and the adaptive policy's
+    # start-up profiling would add steps (adaptive under Ray: tests/test_ray_executor.py).
+    return {"method": "draft_model", "model": models.draft, **TREE, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -127,20 +129,12 @@ def test_target_rank1_dies_on_zmq_every_request_completes_identically(ray_cluste
     assert not old & new  # both ranks replaced: a new torch.distributed group
 
 
-def test_target_rank0_dies_twice_on_ray_transport(ray_cluster, tp_models: TPModels, reference) -> None:
-    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, transport="ray") as llm:
-        outputs, noticed = run_with_kills(llm, [(2, "target", 0), (4, "target", 0)])
-        stats = llm.engine.recovery.stats
-    assert outputs == reference
-    assert max(noticed) < DETECT_S
-    assert stats.restarts == {"target": 2} and stats.worker_restarts_total == 2
-
-
-@pytest.mark.parametrize("transport", ["zmq", "ray"])
+@pytest.mark.parametrize("transport", ["ray"])
 def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluster, tp_models: TPModels,
                                                                        reference, transport: str) -> None:
     # Greedy requests decode without speculation while the draft is replaced; seeded sampled ones wait for it
-    # (their tokens depend on its proposals), so both come out as without the fault.
+    # (their tokens depend on its proposals), so both come out as without the fault. One transport: what is
+    # under test sits above it (a dead draft on zmq is noticed: the test above and the laws test below).
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, transport=transport) as llm:
         engine = llm.engine
         reqs = [engine.add_request(str(i), p, sp) for i, (p, sp) in
@@ -294,8 +288,8 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
     assert all(d["steps"] > 0 for d in by_worker.values()) and by_worker[("target", 0)]["laws"] > 0
 
 
-def test_specserve_generate_survives_a_dead_target_rank0(ray_cluster, tp_models: TPModels, reference, tmp_path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_specserve_generate_survives_target_rank0_dying_twice_on_ray_transport(
+        ray_cluster, tp_models: TPModels, reference, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
     from engine import cli
@@ -306,21 +300,25 @@ def test_specserve_generate_survives_a_dead_target_rank0(ray_cluster, tp_models:
              for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True))]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    step, steps = LLMEngine.step, []
+    step, engines, killed_at = LLMEngine.step, [], []
 
     def step_and_kill(self):
-        steps.append(1)
-        if len(steps) == 3:
+        engines.append(self)
+        if len(engines) in (2, 4):  # the second kill hits the replacement rank 0
             os.kill(next(w["pid"] for w in self.executor.describe() if w["role"] == "target" and w["rank"] == 0),
                     signal.SIGKILL)
+            killed_at.append(time.monotonic())
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step_and_kill)
     rc = cli.main(["generate", "--target", tp_models.target, "--speculative-config",
-                   json.dumps(speculative(tp_models)), "--tensor-parallel-size", "2", "--input", str(src),
-                   "--output", str(dst), "--no-progress"])
+                   json.dumps(speculative(tp_models)), "--tensor-parallel-size", "2", "--transport", "ray",
+                   "--input", str(src), "--output", str(dst), "--no-progress"])
     assert rc == 0
     got = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [g["id"] for g in got] == [x["id"] for x in lines]
     outs = [g["token_ids"] for g in got]
     assert (outs[: len(TP_PROMPTS)], outs[len(TP_PROMPTS):]) == reference
+    stats = engines[-1].recovery.stats
+    assert stats.restarts == {"target": 2} and stats.worker_restarts_total == 2
+    assert max(n - k for n, k in zip(stats.noticed_at, killed_at, strict=True)) < DETECT_S
