@@ -89,6 +89,9 @@ class SpeculativeConfig:
       depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
       adaptive policy's cost curves (default 3; 0: learn from the first requests);
+    - ``adaptive_cost_cache``: take those curves from the profile of the same setup on this machine when one
+      was made in the last week, and keep this one's (``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``;
+      default true);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
     """
@@ -110,6 +113,7 @@ class SpeculativeConfig:
     adaptive: bool | None = None  # None: on, unless a batch-size schedule fixes the depths
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 3.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
+    adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (engine/policy_warmup.py)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -159,6 +163,9 @@ class SpeculativeConfig:
         t = self.adaptive_warmup_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 60:
             raise ValueError(f"speculative_config.adaptive_warmup_s must be a number of seconds in [0, 60], got {t!r}")
+        if not isinstance(self.adaptive_cost_cache, bool):
+            raise ValueError(f"speculative_config.adaptive_cost_cache must be true or false, "
+                             f"got {self.adaptive_cost_cache!r}")
         if self.num_speculative_tokens_per_batch_size is not None:
             _ = self.batch_size_schedule  # validates the table
             if self.adaptive:

@@ -116,7 +116,7 @@ class LLMEngine:
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
         if isinstance(policy, AdaptivePolicy):  # seed its cost curves before the first user request
-            warm_up_policy(self, policy, spec.adaptive_warmup_s)
+            warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
 
     def _new_drafter(self) -> Drafter:
         spec = self.config.speculative

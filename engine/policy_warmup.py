@@ -8,17 +8,31 @@ sizes (1, 4, 16, ... up to ``max_num_seqs``), greedy and sampled, within a time 
 draft / verify / state times land in the policy's curves exactly as user steps will. What the dummy prompts
 teach about acceptance (random tokens accept unlike real text) is dropped afterwards, as are the engine's
 statistics; the cost curves stay.
+
+The curves are also kept in a file (``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``) keyed by everything
+that sets the machine's step costs: the checkpoints (paths, sizes, modification times), the engine's shapes and
+placement, torch and this code (its files' sizes and times), the host. An engine started again with the same key
+within a week takes them from there instead of profiling (a restarted server serves at once); the live steps keep
+them current from then on either way. A file that cannot be read or is not ours is ignored and rewritten.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
+import platform
 import random
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from scheduler.acceptance import AcceptanceTracker
 from scheduler.adaptive import AdaptivePolicy
-from scheduler.cost_model import CostModel
+from scheduler.cost_model import CostModel, cost_model_from_dict, cost_model_to_dict
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,9 +42,102 @@ PROMPT_LEN = 8  # dummy prompt tokens: the decode costs being profiled hardly de
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves (their slope is measured by then)
 SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round
 ROUNDS = 4  # verify rounds per group: the first of each group prefills, the rest are what the curves keep
+CACHE_FORMAT = 1
+CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (the machine's load, its updates, drift)
+_CODE_DIRS = ("engine", "scheduler", "workers")
 
 
-def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
+def cache_dir() -> Path | None:
+    """Where profiles are kept: ``$SPECSERVE_CACHE_DIR`` (empty: nowhere), else ``$XDG_CACHE_HOME/specserve``,
+    else ``~/.cache/specserve``."""
+    env = os.environ.get("SPECSERVE_CACHE_DIR")
+    if env is not None:
+        return Path(env) if env else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specserve"
+
+
+def _files_stat(path: str) -> list[list[Any]]:
+    """(name, size, mtime) of a checkpoint's files (a directory's top level, or one file): a rewritten
+    checkpoint is another model."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def profile_key(engine: LLMEngine) -> str:
+    """A digest of what the step costs depend on (see the module's docstring)."""
+    cfg = engine.config
+    spec = dataclasses.asdict(cfg.speculative) if cfg.speculative is not None else None
+    if spec is not None:  # how long to profile and whether to cache it do not change the costs
+        spec.pop("adaptive_warmup_s", None)
+        spec.pop("adaptive_cost_cache", None)
+    parallel = dataclasses.asdict(cfg.parallel)
+    for name in ("placement_timeout_s", "max_worker_restarts", "worker_restart_window_s"):
+        parallel.pop(name, None)
+    root = Path(__file__).resolve().parents[1]
+    code = [[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
+            for d in _CODE_DIRS for f in sorted((root / d).glob("*.py"))]
+    material = {
+        "format": CACHE_FORMAT, "target": [cfg.target, _files_stat(cfg.target)],
+        "draft": [cfg.speculative.model, _files_stat(cfg.speculative.model)] if cfg.speculative else None,
+        "speculative": spec, "dtype": cfg.dtype, "quantization": cfg.quantization, "device": cfg.device,
+        "max_model_len": engine.max_model_len, "scheduler": dataclasses.asdict(cfg.scheduler),
+        "cache": dataclasses.asdict(cfg.cache), "parallel": parallel, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "host": platform.node(),
+        "machine": platform.machine(), "code": code,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load_profile(path: Path, policy: AdaptivePolicy) -> bool:
+    """The policy's cost curves from a profile file; False (nothing changed) if it is missing, too old, or not
+    a profile of ours."""
+    try:
+        if time.time() - path.stat().st_mtime > CACHE_MAX_AGE_S:
+            return False
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+            return False
+        greedy, sampled = cost_model_from_dict(data["greedy"]), cost_model_from_dict(data["sampled"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if not greedy.ready:
+        return False
+    policy.cost, policy.sampled_cost = greedy, sampled
+    return True
+
+
+def save_profile(path: Path, policy: AdaptivePolicy) -> None:
+    """Written whole or not at all (a temporary file renamed over it); a cache that cannot be written is only a
+    slower next start."""
+    data = {"format": CACHE_FORMAT, "greedy": cost_model_to_dict(policy.cost),
+            "sampled": cost_model_to_dict(policy.sampled_cost)}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float, cache: bool = True) -> int:
+    """The policy's cost curves: from the profile of this same setup if one is cached, else profiled here
+    (``profile``) and cached. Returns the profiling steps run (0 when taken from the cache)."""
+    if budget_s <= 0:
+        return 0
+    folder = cache_dir() if cache else None
+    path = folder / f"policy-costs-{profile_key(engine)}.json" if folder is not None else None
+    if path is not None and load_profile(path, policy):
+        return 0
+    steps = profile(engine, policy, budget_s)
+    if path is not None and steps and policy.cost.ready:
+        save_profile(path, policy)
+    return steps
+
+
+def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     """Run dummy groups (forced shape x batch size x regime) until ``budget_s`` is spent; the steps run."""
     if budget_s <= 0 or engine.max_model_len < 4 * PROMPT_LEN:  # no room for dummy sequences: learn as it goes
         return 0

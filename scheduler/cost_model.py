@@ -250,3 +250,33 @@ class CostModel:
         if not fwd:
             return 0.0
         return self.draft_call(fwd[0]) + sum(self.draft(n) for n in fwd)
+
+
+def curve_to_dict(c: Curve) -> dict:
+    """A curve's measured points (JSON-safe); ``curve_from_dict`` reads them back with fresh step counts."""
+    return {"points": [[b, p.x, p.y, p.confirms] for b, p in sorted(c.points.items())]}
+
+
+def curve_from_dict(d: dict) -> Curve:
+    """The inverse of ``curve_to_dict``; ValueError on anything that is not a list of finite, non-negative
+    points (the file it came from is an input like any other)."""
+    c = Curve()
+    for row in d["points"]:
+        b, x, y, confirms = row
+        if not (isinstance(b, int) and isinstance(confirms, int) and all(isinstance(v, (int, float)) for v in (x, y))
+                and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == Curve.bucket(x)):
+            raise ValueError(f"not a cost-curve point: {row!r}")
+        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms))
+    return c
+
+
+def cost_model_to_dict(m: CostModel) -> dict:
+    return {"verify": curve_to_dict(m.verify), "draft": curve_to_dict(m.draft), "state": curve_to_dict(m.state),
+            "draft_call": curve_to_dict(m.draft_call),
+            "verify_by_seqs": {str(b): curve_to_dict(c) for b, c in sorted(m.verify_by_seqs.items())}}
+
+
+def cost_model_from_dict(d: dict) -> CostModel:
+    return CostModel(verify=curve_from_dict(d["verify"]), draft=curve_from_dict(d["draft"]),
+                     state=curve_from_dict(d["state"]), draft_call=curve_from_dict(d["draft_call"]),
+                     verify_by_seqs={int(b): curve_from_dict(c) for b, c in d["verify_by_seqs"].items()})

@@ -6,8 +6,10 @@ adds contention on a loaded machine).
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +18,13 @@ import torch
 from tests.helpers_models import make_tiny_checkpoint
 
 torch.set_num_threads(1)
+
+# The adaptive policy's start-up profiles (engine/policy_warmup.py) go to a folder of this run's own, never the
+# user's cache: engines of one setup (the built-in pair behind most servers the tests start, which inherit this
+# environment) profile once per run instead of once per start.
+_PROFILES = tempfile.mkdtemp(prefix="specserve-test-profiles-")
+os.environ["SPECSERVE_CACHE_DIR"] = _PROFILES
+atexit.register(shutil.rmtree, _PROFILES, ignore_errors=True)
 
 VOCAB = 128
 SMALL_VOCAB = 12

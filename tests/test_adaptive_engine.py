@@ -3,6 +3,8 @@ what the policy measured (tiny random checkpoints, in-process workers)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.llm import LLM
@@ -68,8 +70,8 @@ def test_without_pinning_the_seeded_output_would_differ(llama, monkeypatch: pyte
 
 
 def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> None:
-    with LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 5}, block_size=4,
-             max_num_seqs=16) as llm:
+    with LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 5,
+                            "adaptive_cost_cache": False}, block_size=4, max_num_seqs=16) as llm:
         engine = llm.engine
         policy = engine.scheduler.policy
         assert policy.cost.ready and policy.sampled_cost.ready
@@ -160,3 +162,54 @@ def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, m
         want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
     assert plain == want and spec_out == want
     assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the prompt
+
+
+def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The first engine profiles and writes its curves; a second one of the same setup reads them instead of
+    profiling, with the same greedy output; another setup, a cache turned off, and an unreadable file profile."""
+    import engine.policy_warmup as warmup
+    from scheduler.cost_model import cost_model_to_dict
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    profiled: list[int] = []
+    real_profile = warmup.profile
+    monkeypatch.setattr(warmup, "profile", lambda *a: profiled.append(1) or real_profile(*a))
+    cfg = {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 1}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def start(config: dict, max_num_seqs: int = 8) -> tuple[dict, list[list[int]]]:
+        with LLM(llama.target, config, block_size=4, max_num_seqs=max_num_seqs) as llm:
+            policy = llm.engine.scheduler.policy
+            curves = {"greedy": cost_model_to_dict(policy.cost), "sampled": cost_model_to_dict(policy.sampled_cost)}
+            return curves, [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+
+    first, out = start(cfg)
+    (path,) = tmp_path.glob("policy-costs-*.json")
+    assert profiled == [1] and first["greedy"]["verify"]["points"]
+    again, out_again = start(cfg)
+    assert profiled == [1]  # not profiled: read from the file
+    assert again == first == {k: v for k, v in json.loads(path.read_text()).items() if k != "format"}
+    assert out_again == out
+    start(cfg, max_num_seqs=4)  # another setup: its own profile
+    assert len(profiled) == 2 and len(list(tmp_path.glob("policy-costs-*.json"))) == 2
+    start({**cfg, "adaptive_cost_cache": False})
+    assert len(profiled) == 3
+    path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1, 0]]}}}')  # not ours: ignored
+    start(cfg)
+    assert len(profiled) == 4 and json.loads(path.read_text())["greedy"]["verify"]["points"]  # and rewritten
+
+
+def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
+    from scheduler.cost_model import cost_model_from_dict, cost_model_to_dict, curve_from_dict
+
+    m = _costs(lambda n: 2 * MS + 0.1 * MS * n, lambda n: 0.3 * MS * n)
+    m.verify_by_seqs[2] = _curve(lambda n: 3 * MS * n)
+    back = cost_model_from_dict(json.loads(json.dumps(cost_model_to_dict(m))))
+    for x in (1, 3, 50, 300):
+        assert back.verify_seconds(x, 4) == m.verify_seconds(x, 4)
+        assert back.draft_seconds([x, x]) == m.draft_seconds([x, x])
+    for bad in ([[3, 1.0, 0.5, 0]],  # the point is not in its bucket
+                [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]]):
+        with pytest.raises(ValueError):
+            curve_from_dict({"points": bad})
