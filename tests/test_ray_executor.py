@@ -137,10 +137,15 @@ def test_engine_starts_and_stops_its_own_ray(tp_models: TPModels, in_process) ->
     assert (greedy, sampled) == in_process("off")
 
 
-@pytest.mark.parametrize("name", ["chain", "tree"])
-def test_tp2_equals_in_process_and_transformers(tp_models: TPModels, engines: Engines, in_process, name: str) -> None:
-    greedy, sampled = engines.output(f"tp2-{name}", name, tensor_parallel_size=2)
-    stats = engines.get(f"tp2-{name}", name).engine.stats
+@pytest.mark.parametrize("name,transport", [("chain", "ray"), ("tree", "zmq")])
+def test_tp2_equals_in_process_and_transformers(tp_models: TPModels, engines: Engines, in_process, name: str,
+                                                transport: str) -> None:
+    # One transport each (per-round messages as Ray calls, or msgpack over zmq): both equal the in-process
+    # engine, greedy and seeded, so the transports give identical outputs.
+    greedy, sampled = engines.output(f"tp2-{name}", name, tensor_parallel_size=2, transport=transport)
+    llm = engines.get(f"tp2-{name}", name)
+    assert llm.engine.executor.parallel.transport == transport
+    stats = llm.engine.stats
     assert greedy == tp_models.expected
     assert (greedy, sampled) == in_process(name)
     # Speculation really ran, and some candidates were accepted (commits of accepted paths on both ranks).
@@ -172,40 +177,19 @@ def test_tp2_workers_are_where_the_plan_says(engines: Engines) -> None:
     assert target[0]["node_id"] == target[1]["node_id"]
 
 
-def test_transports_give_identical_outputs(engines: Engines) -> None:
-    zmq = engines.output("tp2-tree", "tree", tensor_parallel_size=2)
-    llm = engines.take("tp2-tree-ray", "tree", tensor_parallel_size=2, transport="ray")
-    try:
-        assert llm.engine.executor.parallel.transport == "ray"
-        assert run(llm) == zmq
-    finally:
-        llm.shutdown()
-
-
-def test_draft_tp2_with_target_tp2(tp_models: TPModels, engines: Engines, in_process,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    # Settings in SPECSERVE_* variables reach the workers even though Ray started before they were set.
+@pytest.mark.slow
+def test_tp4_pipelined_tree_with_a_tp2_draft(tp_models: TPModels, engines: Engines, in_process,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # The draft (its own 2 ranks) works on round r+1 while the target's 4 ranks verify round r: replies of both
+    # roles interleave. Settings in SPECSERVE_* variables reach the workers though Ray started before them.
     monkeypatch.setenv("SPECSERVE_WORKER_THREADS", "2")
-    llm = engines.take("tp2-draft2", "tree", tensor_parallel_size=2, spec_extra={"draft_tensor_parallel_size": 2})
+    llm = engines.take("tp4-pipe-draft2", "tree", tensor_parallel_size=4,
+                       spec_extra={"pipeline": True, "pipeline_switch": False, "draft_tensor_parallel_size": 2})
     try:
         workers = llm.engine.executor.describe()
         assert sorted((w["role"], w["rank"], w["world_size"], w["bundle_index"]) for w in workers) == [
-            ("draft", 0, 2, 0), ("draft", 1, 2, 1), ("target", 0, 2, 0), ("target", 1, 2, 1)]
+            ("draft", 0, 2, 0), ("draft", 1, 2, 1), *[("target", r, 4, r) for r in range(4)]]
         assert {w["threads"] for w in workers} == {2}
-        greedy, sampled = run(llm)
-        assert greedy == tp_models.expected
-        assert (greedy, sampled) == in_process("tree")
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.slow
-def test_tp4_pipelined_tree(tp_models: TPModels, engines: Engines, in_process) -> None:
-    # The draft works on round r+1 while the target's 4 ranks verify round r: replies of both roles interleave.
-    llm = engines.take("tp4-pipe", "tree", tensor_parallel_size=4,
-                       spec_extra={"pipeline": True, "pipeline_switch": False})
-    try:
-        assert len(llm.engine.executor.describe()) == 5
         greedy, sampled = run(llm)
         assert greedy == tp_models.expected
         assert (greedy, sampled) == in_process("tree")
