@@ -64,14 +64,15 @@ class LLMEngine:
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
+        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
+        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
+        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
         draft_cfg = None
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
-                                     tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size)
-        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
-        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
+                                     tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
+                                     model_config=dcfg.to_dict())
         self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
@@ -82,7 +83,7 @@ class LLMEngine:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
-                                                   quantization=config.quantization),
+                                                   quantization=config.quantization, model_config=tcfg.to_dict()),
                                       draft_cfg, **(spec.process_options if spec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)

@@ -50,11 +50,10 @@ def test_generate_reports_a_missing_input_file(tmp_path: Path, capsys: pytest.Ca
 
 def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.llm_engine
     from engine import LLM, SamplingParams
     from engine.llm_engine import EngineDeadError
     from workers.target_worker import TargetWorker
-
-    import engine.llm_engine
 
     real_step, real_warm_up = TargetWorker.step, engine.llm_engine.warm_up_policy
     calls = {"n": 0, "warming": False}

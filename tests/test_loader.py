@@ -177,3 +177,15 @@ def test_each_rank_reads_only_its_shard_from_disk(tmp_path) -> None:
             assert read == stored
         else:  # q/k/v, gate/up, embed, head: half the rows; o/down: half the columns
             assert read[0] * read[-1] * 2 == stored[0] * stored[-1], name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_model_config_crosses_to_a_worker_as_json_unchanged(tmp_path, family: str) -> None:
+    """The controller hands its workers the config it read (JSON through the draft process's start line): the
+    same ModelConfig comes out, dtype and EOS ids included."""
+    path = make_tiny_checkpoint(tmp_path / family, family=family, vocab_size=64, seed=0)
+    cfg = ModelConfig.from_pretrained(path)
+    back = ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and back.dtype == cfg.dtype and isinstance(back.eos_token_ids, tuple)
+    half = ModelConfig.from_dict({**cfg.to_dict(), "dtype": "bfloat16"})
+    assert half.dtype == torch.bfloat16

@@ -26,7 +26,8 @@ class WorkerBase:
     def __init__(self, config: WorkerConfig, tp: TPGroup | None = None) -> None:
         self.config = config
         self.tp = tp or TPGroup.single()
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = (ModelConfig.from_dict(config.model_config) if config.model_config is not None
+                             else ModelConfig.from_pretrained(config.model))
         self.device = torch.device(config.device)
         dtype = (parse_dtype(config.dtype, self.model_config.dtype) if config.dtype
                  else auto_dtype(self.model_config.dtype, self.device))

@@ -18,6 +18,9 @@ class WorkerConfig:
     # Seeded requests derive their draft stream from the seed with this salt, so the draft's draws never
     # coincide with the verifier's uniforms (the acceptance test needs them independent).
     draft_seed_salt: int = 0x5EED_D4AF7
+    # ModelConfig.to_dict() of ``model`` as the controller read it (None: the worker reads it, importing
+    # transformers); JSON-safe, as the draft process's start line carries it.
+    model_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
