@@ -159,7 +159,11 @@ def test_health_metrics_and_a_wrong_model(server, client) -> None:
     text = httpx.get(server.url + "/metrics").text
     assert metric_value(text, "specserve:spec_decode_num_drafts_total") > 0
     assert metric_value(text, "specserve:spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) > 0
-    assert metric_value(text, "specserve:spec_decode_chosen_depth_total", {"depth": "4"}) > 0  # the fixed K
+    # The default server runs the adaptive policy (K_max 8): which depths it chose depends on the machine's
+    # measured costs, but it chose some, and some speculative ones on these short greedy requests.
+    depths = {d: metric_value(text, "specserve:spec_decode_chosen_depth_total", {"depth": str(d)}) or 0
+              for d in range(9)}
+    assert sum(n for d, n in depths.items() if d > 0) > 0, depths
     assert metric_value(text, "specserve:generation_tokens_total") > 0
     assert metric_value(text, "specserve:time_to_first_token_seconds_count") > 0
     with pytest.raises(openai.NotFoundError):
