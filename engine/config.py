@@ -127,8 +127,7 @@ class SpeculativeConfig:
             if isinstance(self.tree_branching, (list, tuple)) and 1 <= len(self.tree_branching) <= 32:
                 self.num_speculative_tokens = len(self.tree_branching)
             else:
-                self.num_speculative_tokens = (DEFAULT_ADAPTIVE_MAX_TOKENS if self.adaptive is not False
-                                               and self.num_speculative_tokens_per_batch_size is None
+                self.num_speculative_tokens = (DEFAULT_ADAPTIVE_MAX_TOKENS if self.is_adaptive
                                                else DEFAULT_NUM_SPECULATIVE_TOKENS)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 32:
