@@ -7,8 +7,7 @@ from workers.model_config import ModelConfig
 from workers.vocab_map import DraftVocabMap
 
 
-def check_draft_compatible(target_dir: str, draft_dir: str, target_config: ModelConfig) -> None:
-    dcfg = ModelConfig.from_pretrained(draft_dir)
+def check_draft_compatible(target_dir: str, draft_dir: str, target_config: ModelConfig, dcfg: ModelConfig) -> None:
     vmap = DraftVocabMap.load(draft_dir)
     if vmap is not None:  # a trimmed-vocabulary draft: its map must be over the target's vocabulary
         if vmap.target_vocab_size != target_config.vocab_size or vmap.size != dcfg.vocab_size:

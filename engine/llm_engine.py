@@ -56,23 +56,23 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
+        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
         if spec is not None:
-            check_draft_compatible(config.target, spec.model, tcfg)
+            check_draft_compatible(config.target, spec.model, tcfg, dcfg)
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
         bs = config.cache.block_size
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
-        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
         draft_cfg = None
         if spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
                                      model_config=dcfg.to_dict())
+        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
+        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
         self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
