@@ -96,6 +96,7 @@ def test_request_larger_than_the_kv_pool(llama) -> None:
     ({"model": "d", "num_speculative_tokens": 2, "tree_branching": [2, 0]}, r"tree branching entries must be"),
     ("{not json", r"speculative_config is not valid JSON"),
     ({"model": "d", "adaptive": "yes"}, r"speculative_config.adaptive must be true or false, got 'yes'"),
+    ({"model": "d", "adaptive_cost_cache": 1}, r"speculative_config.adaptive_cost_cache must be true or false, got 1"),
     ({"model": "d", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": {"1": 5}},
      r"num_speculative_tokens_per_batch_size: depths must be integers in \[0, num_speculative_tokens=4\]"),
     ({"model": "d", "num_speculative_tokens_per_batch_size": {"zero": 2}},
