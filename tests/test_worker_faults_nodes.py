@@ -97,6 +97,11 @@ def test_node_loss(cluster, tp_models: TPModels, seeded_reference: list[list[int
         engine.step_finished()
         c.remove_node(nodes["T"], allow_graceful=False)
         with pytest.raises(RuntimeError, match="restarting the target workers: could not place.*the plan needs 2"):
-            while engine.has_unfinished:
+            # As above: the requests can finish before the loss is noticed, so keep work coming until it is.
+            while True:
                 assert time.monotonic() < deadline
+                if not engine.has_unfinished:
+                    for i, p in enumerate(TP_PROMPTS):
+                        engine.add_request(f"again-{extra}-{i}", p, GREEDY)
+                    extra += 1
                 engine.step_finished()
