@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from scheduler.request import RoundStats
 
 
+def _depth(key: str) -> int:
+    """The depth of a ``chosen_depths`` key: "4" -> 4, "tree:2x1x1" -> 3."""
+    return len(key.removeprefix("tree:").split("x")) if key.startswith("tree:") else int(key)
+
+
 @dataclass
 class SpecDecodingStats(RoundStats):
     """Aggregate over every request: the same round definition and fields as a request's own statistics, plus
@@ -22,7 +27,7 @@ class SpecDecodingStats(RoundStats):
     @property
     def mean_chosen_depth(self) -> float:
         n = sum(self.chosen_depths.values())
-        return sum(int(k) * v for k, v in self.chosen_depths.items() if k.isdigit()) / n if n else 0.0
+        return sum(_depth(k) * v for k, v in self.chosen_depths.items()) / n if n else 0.0
 
     def as_dict(self) -> dict:
         order = sorted(self.chosen_depths, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))

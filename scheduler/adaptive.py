@@ -14,8 +14,9 @@ worth considering for a number of draft forwards (a request whose draft disagree
 first); each prefix of that order, under each depth cap 1 .. K_max (a forward costs something whatever it
 carries), is priced with the cost model and the best kept. K = 0 for everyone is the empty prefix: chosen when the
 verify curve is steep (compute-bound) or acceptance too low to pay for the draft. The configured tree (when it
-is not a chain) is the other menu item: every request's round at the tree, priced the same way, chosen only
-when it comes out better with its own measured acceptance.
+is not a chain) is the other menu item, per request: on top of the best chains, each request whose own tree
+rounds measure more tokens than its chain takes the tree where that raises the step's rate (and every request at
+the tree is priced too); a tree is chosen only where its measured acceptance pays for its extra nodes.
 
 Stability: the previous step's choice, re-priced with today's estimates, stays unless the new one is better by
 ``hysteresis`` (relative); noise in the estimates does not flip the depth every step.
@@ -81,6 +82,14 @@ class _Plan:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _add(total: list[int], part: Sequence[int], sign: int = 1) -> None:
+    """``total`` += sign * ``part``, position by position (draft forward sizes), growing ``total`` as needed."""
+    while len(total) < len(part):
+        total.append(0)
+    for f, x in enumerate(part):
+        total[f] += sign * x
 
 
 @dataclass
@@ -197,9 +206,9 @@ class AdaptivePolicy:
     def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""
         best = self.best_chains(rs)
-        tree = self._tree_plan(rs)
-        if tree is not None and tree.rate > best.rate:
-            best = tree
+        for other in (self._trees_where_they_pay(rs, best), self._tree_plan(rs)):
+            if other is not None and other.rate > best.rate:
+                best = other
         prev = self._previous(rs, best.shapes)
         if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
             best = prev
@@ -220,6 +229,21 @@ class AdaptivePolicy:
                     self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior),
                     max(1, r.num_tokens - r.num_cached_draft))
 
+    def _round(self, r: _Req, shape: tuple[int, ...]) -> tuple[float, int, list[int]]:
+        """One round's expected emitted tokens, target tokens (the in-flight ones and the tree's nodes) and the
+        tokens it adds to each draft forward (forward f carries level f and makes level f + 1)."""
+        d = len(shape)
+        is_tree = any(w > 1 for w in shape)
+        rates = self.acceptance.rates(r.seq_id, r.greedy, d, tuple(shape)) if is_tree else r.rates
+        verify = r.inflight
+        forwards: list[int] = []
+        level = 1  # nodes at level f (level 0: the in-flight tokens)
+        for f in range(d):
+            forwards.append(r.lag if f == 0 else level)
+            level *= shape[f]
+            verify += level
+        return expected_tokens(rates, d), verify, forwards
+
     def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan:
         """Expected tokens and predicted seconds of a step running these shapes (and the pinned rounds')."""
         if self._cost is None:
@@ -229,18 +253,10 @@ class AdaptivePolicy:
         forwards: list[int] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
-            d = len(shape)
-            is_tree = any(w > 1 for w in shape)
-            rates = self.acceptance.rates(r.seq_id, r.greedy, d, tuple(shape)) if is_tree else r.rates
-            tokens += expected_tokens(rates, d)
-            verify += r.inflight
-            level = 1  # nodes at level f (level 0: the in-flight tokens)
-            for f in range(d):
-                if len(forwards) <= f:
-                    forwards.append(0)
-                forwards[f] += r.lag if f == 0 else level  # forward f carries level f, making level f + 1
-                level *= shape[f]
-                verify += level
+            t, v, fw = self._round(r, shape)
+            tokens += t
+            verify += v
+            _add(forwards, fw)
         return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs)))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
@@ -334,13 +350,50 @@ class AdaptivePolicy:
     def _pinned_forwards(self) -> list[int]:
         forwards: list[int] = []
         for r, shape in self._pinned:
-            level = 1
-            for f, w in enumerate(shape):
-                if len(forwards) <= f:
-                    forwards.append(0)
-                forwards[f] += r.lag if f == 0 else level
-                level *= w
+            _add(forwards, self._round(r, shape)[2])
         return forwards
+
+    def _trees_where_they_pay(self, rs: Sequence[_Req], chains: _Plan) -> _Plan | None:
+        """Per request, the configured tree (cut to its cap) instead of its chain where that raises the step's
+        predicted rate: requests in order of the tree's expected extra tokens per extra target token, each switch
+        kept when the step's rate rises (None when the tree is a chain or no request gains). Priced by the
+        request's own tree rounds (shrunk towards the engine's tree rates, whose prior is the chain's): a tree is
+        only chosen for a request whose measured rounds show its siblings accept more than the chain's single
+        candidate. Each trial re-prices only the step's totals, so this is linear in the batch."""
+        tree = self.base.tree.branching
+        if all(w == 1 for w in tree):
+            return None
+        shapes = list(chains.shapes)
+        parts = [self._round(r, s) for r, s in zip(rs, shapes, strict=True)]
+        tokens = chains.tokens
+        verify = self._pinned_verify() + sum(v for _, v, _ in parts)
+        forwards = self._pinned_forwards()
+        for _, _, fw in parts:
+            _add(forwards, fw)
+        nseqs = len(rs) + len(self._pinned)
+        seconds = self._cost.step_seconds(verify, forwards, nseqs)
+        options = []  # (-gain per extra target token, request index, shape, its round)
+        for i, r in enumerate(rs):
+            t = tree[: r.cap]
+            if t == shapes[i] or all(w == 1 for w in t):
+                continue
+            part = self._round(r, t)
+            gain = part[0] - parts[i][0]
+            if gain > 0:
+                options.append((-gain / max(1, part[1] - parts[i][1]), i, t, part))
+        changed = False
+        for _, i, t, (t_tok, t_ver, t_fwd) in sorted(options, key=lambda o: (o[0], o[1])):
+            c_tok, c_ver, c_fwd = parts[i]
+            fw = list(forwards)
+            _add(fw, c_fwd, -1)
+            _add(fw, t_fwd)
+            ver = verify - c_ver + t_ver
+            tok = tokens - c_tok + t_tok
+            sec = self._cost.step_seconds(ver, fw, nseqs)
+            if sec > 0 and seconds > 0 and tok / sec > tokens / seconds:
+                shapes[i], parts[i] = t, (t_tok, t_ver, t_fwd)
+                tokens, verify, forwards, seconds, changed = tok, ver, fw, sec, True
+        return _Plan(shapes, tokens, seconds) if changed else None
 
     def _tree_plan(self, rs: Sequence[_Req]) -> _Plan | None:
         """The configured tree (cut to each request's cap) for every request, when it is not a chain."""

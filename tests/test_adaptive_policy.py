@@ -150,6 +150,22 @@ def test_the_configured_tree_only_where_it_measures_better() -> None:
         assert (shapes == [tree] * 4) == want_tree, (tree_rate, shapes)
 
 
+def test_each_request_gets_the_tree_only_where_its_own_rounds_measure_it_better() -> None:
+    """The menu is per request: in one batch, requests whose tree rounds accept far more than their chains take
+    the tree, the others keep chains (all-or-nothing would give both groups the same shape)."""
+    cost = costs(verify=lambda n: 10 * MS + 0.5 * MS * n, draft=lambda n: 0.5 * MS)
+    tree = (2, 1, 1, 1)
+    p = policy(cost, branching=tree)
+    p.acceptance.request_prior_weight = 2.0  # the two groups differ: their own rounds decide
+    reqs = requests(4)
+    for r in reqs:
+        teach(p, r, 0.6, seed=r.seq_id, branching=(1, 1, 1, 1))
+        teach(p, r, 0.99 if r.seq_id < 2 else 0.5, seed=50 + r.seq_id, branching=tree)
+    shapes = p.plan(reqs)
+    assert shapes[:2] == [tree, tree], shapes
+    assert all(all(w == 1 for w in s) for s in shapes[2:]), shapes
+
+
 def noisy_run(hysteresis: float, steps: int = 300) -> int:
     """How often the chosen depths change over ``steps`` steps of noisy costs and acceptance, near a tie."""
     rng = random.Random(7)
@@ -626,3 +642,13 @@ def test_while_speculating_a_deeper_size_measured_dear_is_measured_again() -> No
         depths.append(d)
         p.observe_step(StepSample(1 + d, 10 * MS, [1] * d, 1 * MS * d, False, 1, 0.05 * MS))
     assert depths[0] <= 3 and K_MAX in depths[:48] and sorted(depths[-12:])[6] > 4, depths  # (0: plain explored)
+
+
+def test_the_mean_chosen_depth_counts_a_trees_depth() -> None:
+    from engine.metrics import SpecDecodingStats
+
+    s = SpecDecodingStats()
+    for shape in [(), (1, 1), (2, 1, 1, 1)]:
+        s.record_choice(shape)
+    assert s.as_dict()["chosen_depths"] == {"0": 1, "2": 1, "tree:2x1x1x1": 1}
+    assert s.mean_chosen_depth == pytest.approx((0 + 2 + 4) / 3)

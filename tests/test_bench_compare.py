@@ -29,14 +29,16 @@ def test_random_pair_draft_is_the_targets_first_layer(tmp_path) -> None:
     assert all((d[k] == t[k]).all() for k in d)  # shared, not re-drawn
     with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["num_hidden_layers"] == 1
-    # bench compare runs on it end to end (adaptive included) and writes its rows.
+    # bench compare runs on it end to end (adaptive, and adaptive with a tree on its menu, included) and writes its
+    # rows.
     out = tmp_path / "c.json"
     assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "1",
                          "--temperatures", "0", "--max-tokens", "4", "--num-prompts", "1", "--repeats", "1",
-                         "--skip-hf", "--skip-floor", "--modes", "specserve_nospec,specserve_adaptive",
-                         "--json", str(out)]) == 0
+                         "--skip-hf", "--skip-floor", "--modes",
+                         "specserve_nospec,specserve_adaptive,specserve_adaptive_tree", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert {r["mode"] for r in rows} == {"specserve_nospec", "specserve_adaptive"} and all(r["tok_s"] > 0 for r in rows)
+    assert {r["mode"] for r in rows} == {"specserve_nospec", "specserve_adaptive", "specserve_adaptive_tree"}
+    assert all(r["tok_s"] > 0 for r in rows)
 
 
 def _greedy_agreement(target: str, draft: str) -> float:

@@ -41,6 +41,7 @@ from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
 from scheduler.sampling_params import SamplingParams, is_greedy
 
 ENGINE_MODES = ("specserve_nospec", "specserve_chain", "specserve_tree", "specserve_pipelined", "specserve_adaptive",
+                "specserve_adaptive_tree",
                 "specserve_chain_allcores", "specserve_pipelined_process", "specserve_pipelined_process_always")
 # Equal hardware (issue 18): the sequential chain whose every phase may use all of this process's cores (torch
 # threads = cores) against pipelining with the draft in its own process, one core per role (draft on the last
@@ -242,6 +243,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="chain length")
     ap.add_argument("--tree", default="2,1", help="tree branching at the chain's node budget (2,1: 4 nodes)")
     ap.add_argument("--adaptive-k", type=int, default=8, help="K_max of specserve_adaptive")
+    ap.add_argument("--adaptive-tree", default="",
+                    help="the configured tree of specserve_adaptive_tree, whose menu per request is chains 1 .. its "
+                         "depth and this tree (default: 2 then 1s to --adaptive-k)")
     ap.add_argument("--pipeline-width", type=int, default=2, help="most outcomes pre-drafted per request per round "
                     "(pipelined modes; how many within it is chosen by expected value)")
     ap.add_argument("--fixed-ks", default="", help="also fixed chains of these K (modes specserve_k<K>), "
@@ -293,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",") if x]
     temps = [float(x) for x in args.temperatures.split(",") if x]
     tree = [int(x) for x in args.tree.split(",")]
+    adaptive_tree = ([int(x) for x in args.adaptive_tree.split(",")] if args.adaptive_tree
+                     else [2] + [1] * (args.adaptive_k - 1))
     n = args.max_tokens
     prompts = load_prompts(args.prompts, load_tokenizer(args.target), cfg.vocab_size,
                            max([args.num_prompts, *batches]),
-                           cfg.max_model_len - n - max([args.k, args.adaptive_k, *fixed_ks]) - 2)
+                           cfg.max_model_len - n - max([args.k, args.adaptive_k, len(adaptive_tree), *fixed_ks]) - 2)
     kv = max(batches) * (max(len(p) for p in prompts) + n + 64)
     chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, "adaptive": False,
              "quantization": args.draft_quantization}
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
              ALWAYS_MODE: {**chain, "pipeline": True, "pipeline_width": args.pipeline_width, "draft_process": True,
                            "pipeline_switch": False, **one_core_per_role()},
              "specserve_adaptive": {**chain, "num_speculative_tokens": args.adaptive_k, "adaptive": True},
+             "specserve_adaptive_tree": {**chain, "num_speculative_tokens": len(adaptive_tree),
+                                         "tree_branching": adaptive_tree, "adaptive": True},
              **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
     hf = None
@@ -464,14 +472,14 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
         fixed = [x for x in same if x.mode.startswith(FIXED_K_MODE) or x.mode == "specserve_chain"]
         best = max(fixed, key=lambda x: x.tok_cpu_s, default=None)
         vs = f"  {r.tok_cpu_s / base.tok_cpu_s:.2f}x nospec" if base is not None and base is not r else ""
-        if best is not None and r.mode == "specserve_adaptive":
+        if best is not None and r.mode.startswith("specserve_adaptive"):
             vs += f"  {r.tok_cpu_s / best.tok_cpu_s:.2f}x best fixed K ({best.mode})"
         print(f"  T={r.temperature} b={r.batch:<3} {r.mode:<24} {r.tok_cpu_s:8.1f}{vs}")
-    adaptive = [r for r in rows if r.mode == "specserve_adaptive" and r.chosen_depths]
+    adaptive = [r for r in rows if r.mode.startswith("specserve_adaptive") and r.chosen_depths]
     if adaptive:
         print("\nK chosen by the adaptive policy (rounds per depth, last repeat; plain-decode rounds are '0'):")
         for r in adaptive:
-            print(f"  T={r.temperature} b={r.batch}: {r.chosen_depths}")
+            print(f"  T={r.temperature} b={r.batch} {r.mode}: {r.chosen_depths}")
     print("\nwhere the engine's time goes (ms per output token, last repeat; model = draft + verify + state):")
     for r in rows:
         c = cycle_model(r)
