@@ -60,6 +60,11 @@ class _Req:
     lag: int  # draft tokens fed before its tree, as the plan prices them (1: see ``_view``)
     rates: list[float]  # chain per-position acceptance, length cap
     catchup: int = 1  # draft tokens really fed before its next tree (the whole prefix after plain rounds)
+    # Price the steady state's extra catch-up token: after a round whose every candidate was accepted the draft
+    # also feeds the last candidate (never forwarded), so a request speculating at depth d each round feeds
+    # 1 + P(all d accepted) tokens in its first forward, not 1 (see ``_round``). False: ``lag`` is the real
+    # catch-up of this step (an exploration's price).
+    steady: bool = True
 
 
 @dataclass
@@ -68,7 +73,7 @@ class _Prefix:
 
     tokens: float  # expected emitted tokens
     verify: int  # target tokens
-    forwards: list[int]  # tokens of each draft forward
+    forwards: list[float]  # tokens of each draft forward
     fixed_s: float  # the controller's seconds
     nseqs: int  # sequences in the step
 
@@ -84,7 +89,14 @@ class _Plan:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _add(total: list[int], part: Sequence[int], sign: int = 1) -> None:
+def _product(xs: Sequence[float]) -> float:
+    p = 1.0
+    for x in xs:
+        p *= x
+    return p
+
+
+def _add(total: list[float], part: Sequence[float], sign: int = 1) -> None:
     """``total`` += sign * ``part``, position by position (draft forward sizes), growing ``total`` as needed."""
     while len(total) < len(part):
         total.append(0)
@@ -229,17 +241,21 @@ class AdaptivePolicy:
                     self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior),
                     max(1, r.num_tokens - r.num_cached_draft))
 
-    def _round(self, r: _Req, shape: tuple[int, ...]) -> tuple[float, int, list[int]]:
+    def _round(self, r: _Req, shape: tuple[int, ...]) -> tuple[float, int, list[float]]:
         """One round's expected emitted tokens, target tokens (the in-flight ones and the tree's nodes) and the
         tokens it adds to each draft forward (forward f carries level f and makes level f + 1)."""
         d = len(shape)
         is_tree = any(w > 1 for w in shape)
         rates = self.acceptance.rates(r.seq_id, r.greedy, d, tuple(shape)) if is_tree else r.rates
         verify = r.inflight
-        forwards: list[int] = []
+        forwards: list[float] = []
         level = 1  # nodes at level f (level 0: the in-flight tokens)
+        # A request that speculates at this shape every round starts each with 1 + P(its whole path accepted)
+        # draft tokens: at batch 32 (larger random pair, T = 0.8) chains of 1 fed the draft 55-60 tokens a step,
+        # not the 32 they were priced at, and the policy ran them where plain decode was as fast.
+        first = r.lag + (_product(rates[:d]) if r.steady and d else 0.0)
         for f in range(d):
-            forwards.append(r.lag if f == 0 else level)
+            forwards.append(first if f == 0 else level)
             level *= shape[f]
             verify += level
         return expected_tokens(rates, d), verify, forwards
@@ -250,7 +266,7 @@ class AdaptivePolicy:
             self._cost = self._regime_cost(rs)
         tokens = 0.0
         verify = 0
-        forwards: list[int] = []
+        forwards: list[float] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
             t, v, fw = self._round(r, shape)
@@ -323,15 +339,24 @@ class AdaptivePolicy:
             return sum(fwd_s) + call_cost(forwards[0]) if forwards and forwards[0] > 0 else 0.0
 
         best_n, best_rate = 0, 0.0
+        reached = [0.0] * len(rs)  # value of each request's deepest candidate so far: P(its chain all accepted)
         # Price every prefix in small batches, at most ~16 prices a cap whatever the batch size.
         stride = max(1, -(-len(cands) // 16))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
             tokens -= neg_value
             verify += 1
             if len(forwards) <= j:
-                forwards.append(0)
+                forwards.append(0.0)
                 fwd_s.append(0.0)
-            forwards[j] += rs[i].lag if j == 0 else 1
+            r = rs[i]
+            if r.steady:  # the first forward's steady catch-up: 1 + P(whole chain accepted), as ``_round``
+                forwards[0] += (r.lag if j == 0 else 0.0) - neg_value - reached[i]
+                reached[i] = -neg_value
+                dirty.add(0)
+            elif j == 0:
+                forwards[0] += r.lag
+            if j > 0:
+                forwards[j] += 1
             dirty.add(j)
             if n % stride and n != len(cands):
                 continue
@@ -347,8 +372,8 @@ class AdaptivePolicy:
         """Target tokens of the step that the plan does not choose: the pinned rounds'."""
         return sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
 
-    def _pinned_forwards(self) -> list[int]:
-        forwards: list[int] = []
+    def _pinned_forwards(self) -> list[float]:
+        forwards: list[float] = []
         for r, shape in self._pinned:
             _add(forwards, self._round(r, shape)[2])
         return forwards
@@ -433,7 +458,7 @@ class AdaptivePolicy:
         # Priced with the draft's real catch-up: a request that decoded plainly feeds the draft every token since
         # its last round (its whole prefix the first time), and each exploration pays that again. At batch 64 on
         # the larger random pair that was 530-850 ms of the 1.9 s exploration step, 6x a plain step's 0.3 s.
-        real = [dataclasses.replace(r, lag=r.catchup) for r in rs]
+        real = [dataclasses.replace(r, lag=r.catchup, steady=False) for r in rs]
         alternatives = not any(chosen.shapes)  # two depths, either of which measures what plain decode lacks
         timed = []  # (interval, age, shapes)
         for c, rec in zip(cands, records, strict=True):

@@ -197,7 +197,7 @@ class CostModel:
                     self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
         self.state.observe(s.num_seqs, s.state_s)
 
-    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[int], num_seqs: int) -> float:
+    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[float], num_seqs: int) -> float:
         return (self.verify_seconds(verify_tokens, num_seqs) + self.draft_seconds(draft_forward_tokens)
                 + self.state(num_seqs))
 
@@ -244,7 +244,7 @@ class CostModel:
             return VerifyRecord(c.clock if c.points else None, False, 0)
         return VerifyRecord(c.clock - p.step, True, p.confirms)
 
-    def draft_seconds(self, draft_forward_tokens: list[int]) -> float:
+    def draft_seconds(self, draft_forward_tokens: list[float]) -> float:
         """The draft call of a step with these forwards (0 without any)."""
         fwd = [n for n in draft_forward_tokens if n > 0]
         if not fwd:

@@ -652,3 +652,16 @@ def test_the_mean_chosen_depth_counts_a_trees_depth() -> None:
         s.record_choice(shape)
     assert s.as_dict()["chosen_depths"] == {"0": 1, "2": 1, "tree:2x1x1x1": 1}
     assert s.mean_chosen_depth == pytest.approx((0 + 2 + 4) / 3)
+
+
+def test_the_drafts_steady_catch_up_is_priced() -> None:
+    """A request that speculates every round feeds its draft 1 + P(whole chain accepted) tokens first: the last
+    candidate of a fully accepted chain was never forwarded. Where the draft costs in proportion to its tokens
+    (a large batch), chains of 1 priced at one token a request look 9 % better than plain decode; priced at
+    1 + 0.9 they are 12 % worse, and so is every deeper chain."""
+    cost = costs(verify=lambda n: 0.3 + 0.004 * n, draft=lambda n: 0.006 * n)
+    p = policy(cost)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.9, seed=r.seq_id)
+    assert p.plan(reqs) == [()] * 32
