@@ -41,6 +41,7 @@ tokens are priced in the step).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,13 +89,6 @@ class _Plan:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def _product(xs: Sequence[float]) -> float:
-    p = 1.0
-    for x in xs:
-        p *= x
-    return p
 
 
 def _add(total: list[float], part: Sequence[float], sign: int = 1) -> None:
@@ -254,7 +248,7 @@ class AdaptivePolicy:
         # A request that speculates at this shape every round starts each with 1 + P(its whole path accepted)
         # draft tokens: at batch 32 (larger random pair, T = 0.8) chains of 1 fed the draft 55-60 tokens a step,
         # not the 32 they were priced at, and the policy ran them where plain decode was as fast.
-        first = r.lag + (_product(rates[:d]) if r.steady and d else 0.0)
+        first = r.lag + (math.prod(rates[:d]) if r.steady and d else 0.0)
         for f in range(d):
             forwards.append(first if f == 0 else level)
             level *= shape[f]
@@ -371,7 +365,7 @@ class AdaptivePolicy:
 
     def _pinned_verify(self) -> int:
         """Target tokens of the step that the plan does not choose: the pinned rounds'."""
-        return sum(r.inflight + branching_nodes(shape) for r, shape in self._pinned)
+        return sum(self._round(r, shape)[1] for r, shape in self._pinned)
 
     def _pinned_forwards(self) -> list[float]:
         forwards: list[float] = []
