@@ -59,7 +59,7 @@ class _Req:
     greedy: bool
     cap: int  # deepest round allowed (remaining tokens, contexts)
     inflight: int  # target tokens fed before the tree (1 after a round)
-    lag: int  # draft tokens fed before its tree, as the plan prices them (1: see ``_view``)
+    lag: float  # draft tokens fed before its tree, as the plan prices them (see ``_amortized_lag``)
     rates: list[float]  # chain per-position acceptance, length cap
     catchup: int = 1  # draft tokens really fed before its next tree (the whole prefix after plain rounds)
     # Price the steady state's extra catch-up token: after a round whose every candidate was accepted the draft
@@ -111,8 +111,8 @@ class AdaptivePolicy:
     hysteresis: float = 0.03  # a new plan must beat the previous one by this much (relative)
     # Speculating must be predicted to beat plain decode by this much (relative). The two errors are not alike:
     # plain decode is the step whose cost the policy knows best at saturation, a speculative step's cost carries
-    # the draft's catch-up (not priced: see ``_view``) and the sampled regime's per-node costs, and a plan predicted
-    # 3 % better was 25 % slower at batch 32, T = 0.8 (larger random pair).
+    # the draft's catch-up (priced spread over the request's rounds: ``_amortized_lag``) and the sampled regime's
+    # per-node costs, and a plan predicted 3 % better was 25 % slower at batch 32, T = 0.8 (larger random pair).
     spec_margin: float = 0.05
     explore_every: int = 256  # steps before a size the policy does not use is measured again, at most
     # ... and at least ``explore_min`` steps, sooner the cheaper the exploration step is predicted to be: one that
@@ -125,6 +125,13 @@ class AdaptivePolicy:
     # 2 ** explore_backoff times (a miss resets it): at batch 1 plain decode is cheap to explore and so was
     # re-measured every 8 steps, 2-3 % of the time spent confirming what the policy knew.
     explore_backoff: int = 3
+    # A plan whose exploration step is predicted to take over twice the chosen step's time, and whose steady rate
+    # (its catch-up spread as the plan prices it) is below this fraction of the chosen plan's, is not explored: only
+    # a curve wrong by more than 1 / explore_floor could make it the better one. At concurrency 64 (larger random
+    # pair, T = 0.8) the configured depth for everyone (512 candidates) was explored while chains of 1 ran: one 5 s
+    # step, 8 % of the run. A cheap one (plain decode at batch 1) is explored whatever its rate: a wrong curve
+    # there (one measured while another process ran was 2.7x too dear) is corrected at little cost.
+    explore_floor: float = 0.5
     # Rounds of a sampling regime the engine must have seen before its requests are planned: until then they run
     # the configured shape. A policy that plans from the default prior alone may choose K = 0 and then never
     # measures the acceptance that would have made speculation pay.
@@ -230,11 +237,27 @@ class AdaptivePolicy:
     # --------------------------------------------------------------------------------------------- the plan
     def _view(self, r: Request, prior: list[float]) -> _Req:
         cap = self.base.cap(r)
-        # The draft's catch-up after plain rounds is paid once, not every round: price one in-flight token, or a
-        # request that stopped speculating would look ever dearer to restart.
-        return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target), 1,
-                    self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior),
-                    max(1, r.num_tokens - r.num_cached_draft))
+        rates = self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior)
+        catchup = max(1, r.num_tokens - r.num_cached_draft)
+        remaining = min(r.remaining_tokens, self.base.max_model_len - r.num_tokens)
+        return _Req(r.seq_id, r.params.greedy, cap, max(1, r.num_tokens - r.num_cached_target),
+                    self._amortized_lag(catchup, rates, remaining), rates, catchup)
+
+    @staticmethod
+    def _amortized_lag(catchup: int, rates: list[float], remaining: int) -> float:
+        """The draft tokens a round is priced to feed before its tree: one, plus the catch-up (every token since the
+        request last speculated; its whole prefix the first time) spread over the rounds the request has left if
+        it speculates from now on (its remaining tokens / the tokens a round at its cap is expected to emit).
+
+        The catch-up is paid once, so pricing all of it every round would make a request that stopped
+        speculating look ever dearer to restart; pricing none of it (as this did) made restarting look free: at
+        concurrency 64 (larger random pair, T = 0.8, 48-token outputs) a step 25 tokens into a wave put all 64
+        requests on chains of 1, predicted 5 % faster than plain decode at 0.74 s; its draft fed 3543 tokens, not
+        64, and it took 2.3 s."""
+        if catchup <= 1 or remaining <= 0:
+            return 1.0
+        per_round = expected_tokens(rates, len(rates))
+        return 1.0 + (catchup - 1) * min(1.0, per_round / remaining)
 
     def _round(self, r: _Req, shape: tuple[int, ...]) -> tuple[float, int, list[float]]:
         """One round's expected emitted tokens, target tokens (the in-flight ones and the tree's nodes) and the
@@ -460,8 +483,11 @@ class AdaptivePolicy:
             if rec.age is None:
                 return c
             if alternatives or rec.age >= self.explore_min or not rec.measured:
+                cost = self.price(real, c)
+                if cost.seconds > 2 * chosen.seconds and self.price(rs, c).rate < self.explore_floor * chosen.rate:
+                    continue  # dear, and only a curve wrong by 1 / explore_floor could make it the better plan
                 backoff = 2 ** min(self.explore_backoff, rec.confirms)
-                interval = backoff * self._explore_interval(chosen, self.price(real, c), rec.measured)
+                interval = backoff * self._explore_interval(chosen, cost, rec.measured)
                 timed.append((min(self.explore_every, interval), rec.age, c))
         if timed and alternatives:  # the one that loses less
             timed = [min(timed, key=lambda t: t[0])]

@@ -687,3 +687,48 @@ def test_the_drafts_steady_catch_up_is_priced() -> None:
     for r in reqs:
         teach(p, r, 0.9, seed=r.seq_id)
     assert p.plan(reqs) == [()] * 32
+
+
+@pytest.mark.parametrize("amortized", [True, False])
+def test_a_drafts_catch_up_is_priced_over_the_rounds_its_request_has_left(amortized: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 requests whose drafts never saw them (26 tokens to catch up each), acceptance 0.9, verify flat up to 64
+    tokens, the draft 2 ms a token. With 990 tokens left the catch-up, spread over their rounds, is small: they
+    speculate. With 10 left it is most of what a round would feed the draft: plain decode is faster, and runs.
+    The control prices no catch-up (as this policy did): it speculates with 10 tokens left too."""
+    if not amortized:
+        monkeypatch.setattr(AdaptivePolicy, "_amortized_lag", staticmethod(lambda *a: 1.0))
+    p = policy(costs(verify=lambda n: 0.3 if n <= 64 else 0.3 + 0.01 * (n - 64), draft=lambda n: 0.002 * n,
+                     state=lambda n: 0.0))
+    for max_tokens, speculates in [(1000, True), (20, not amortized)]:
+        reqs = requests(32)
+        for r in reqs:
+            r.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+            r.num_cached_draft = 0
+            teach(p, r, 0.9, seed=r.seq_id)
+        assert any(p.plan(reqs)) == speculates, max_tokens
+        for r in reqs:
+            p.forget(r.seq_id)
+
+
+@pytest.mark.parametrize("floor", [0.5, 0.0])
+def test_a_dear_plan_predicted_far_slower_is_not_explored(floor: float) -> None:
+    """Batch 32, verify flat up to 64 tokens then 10 ms a token more, acceptance 0.6: chains of 1 run (1.2x plain
+    decode). The configured depth for everyone (288 verify tokens) is predicted at a fifth of their rate and
+    7x their step time: in 300 steps it is never explored, while plain decode (cheap) is. The control
+    (``explore_floor`` 0) explores it."""
+    verify = lambda n: 0.3 if n <= 64 else 0.3 + 0.01 * (n - 64)  # noqa: E731
+    p = policy(costs(verify=verify, draft=lambda n: 0.002 * n, state=lambda n: 0.0), explore_every=256,
+               explore_min=8, explore_floor=floor)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.6, seed=r.seq_id)
+    depths = []
+    for _ in range(300):
+        shapes = p.plan(reqs)
+        depths.append(max(map(len, shapes)))
+        fwd = [sum(len(s) > f for s in shapes) for f in range(depths[-1])]
+        t = 32 + sum(len(s) for s in shapes)
+        p.observe_step(StepSample(t, verify(t), fwd, 0.002 * sum(fwd), False, 32, 0.0))
+    assert depths.count(1) > 250 and 0 in depths, depths
+    assert (K_MAX in depths) == (floor == 0), depths
