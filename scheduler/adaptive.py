@@ -24,11 +24,11 @@ Stability: the previous step's choice, re-priced with today's estimates, stays u
 Exploration keeps the cost curves current: a curve is only trusted near sizes it measured, so the policy runs
 one step of a plan it is not using (plain decode or the configured depth while it speculates; while it does not,
 the configured shape on a few requests, as many candidates as chains of 1 or of half the depth for everyone) when
-that size was not measured lately at this batch size: after 8 to
-``explore_every`` steps, sooner the less time the step is predicted to lose against the chosen plan (~3 % of
-the time spent exploring when the prediction is right; a wrong one, e.g. a size first measured while another
-process ran, is corrected in tens of steps where exploring is cheap). Until both
-curves have data the configured depth runs (the fixed policy); the engine seeds both curves at start-up with
+that size was not measured lately at this batch size: after 8 to ``explore_every`` steps, sooner the less time
+the step is predicted to lose against the chosen plan (~3 % of the time spent exploring when the prediction is
+right, less where an exploration step is many chosen steps long; a wrong one, e.g. a size first measured while
+another process ran, is corrected in tens of steps where exploring is cheap). Until both curves have data the
+configured depth runs (the fixed policy); the engine seeds both curves at start-up with
 a few steps of dummy sequences over depths and batch sizes (engine/policy_warmup.py, through ``forced``).
 
 Reproducibility: greedy output never depends on any of this (the depth never changes a greedy token), and
@@ -121,6 +121,12 @@ class AdaptivePolicy:
     # prediction is right, and corrects a wrong one quickly where it matters.
     explore_min: int = 8
     explore_budget: float = 0.03
+    # ... scaled down by the exploration step's length over ``explore_stall`` chosen steps: such a step stalls
+    # every stream of the batch at once, and where it is that long (a few requests feeding their drafts their
+    # whole prefixes at saturation) it is also the one least likely to be chosen. At concurrency 64 (larger random
+    # pair, T = 0.8, waves of 48-token requests) one took 3 s against 0.5 s for a plain step, and runs with one or
+    # two of them were 5-9 % slower than no speculation; at batch 1 an exploration is 1-3 chosen steps long.
+    explore_stall: float = 3.0
     # Each exploration of a size that found its price where it was doubles that size's interval, up to
     # 2 ** explore_backoff times (a miss resets it): at batch 1 plain decode is cheap to explore and so was
     # re-measured every 8 steps, 2-3 % of the time spent confirming what the policy knew.
@@ -537,4 +543,5 @@ class AdaptivePolicy:
         # budget allows (at batch 32, T = 0.8, plain decode was priced 0.25 s from the sampled chains' steps, and
         # really took 0.19 s), without waiting ``explore_min`` steps.
         low = self.explore_min if measured else 0
-        return min(self.explore_every, max(low, lost / (self.explore_budget * chosen.seconds)))
+        budget = self.explore_budget * min(1.0, self.explore_stall * chosen.seconds / max(other.seconds, 1e-9))
+        return min(self.explore_every, max(low, lost / (budget * chosen.seconds)))

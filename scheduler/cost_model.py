@@ -92,14 +92,21 @@ class Curve:
 
     def scaled(self, x: float, shape: Curve) -> float:
         """Predicted seconds at ``x``: this curve within its measured sizes; beyond them ``shape`` (a curve with
-        more sizes), scaled to meet this one at its nearest measured end."""
+        more sizes), scaled to meet this one at its nearest measured end, and past its largest size never below
+        this curve's own extrapolation (the slope of its last two sizes) where it has two.
+
+        Why the floor: the shape's curve mixes other batch sizes and prompt chunks (one sequence's many tokens are
+        cheaper per token than many sequences' few). At batch 64 (larger random pair, CPU) the verify of 576
+        tokens was priced ~1.5 s from that shape, where this batch size's own 64- and 128-token steps rose
+        linearly and the step took ~5 s."""
         xs = [p.x for p in self.points.values()]
         lo, hi = min(xs), max(xs)
         end = lo if x < lo else hi if x > hi else None
         if end is None:
             return self(x)
         ref = shape(end)
-        return self(end) * shape(x) / ref if ref > 0 else self(x)
+        out = self(end) * shape(x) / ref if ref > 0 else self(x)
+        return max(out, self(x)) if x > hi and len(xs) >= 2 else out
 
     def __call__(self, x: float) -> float:
         """Predicted seconds at ``x`` (0 for x <= 0)."""

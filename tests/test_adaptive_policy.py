@@ -247,17 +247,23 @@ def test_explorations_that_find_nothing_new_are_spaced_further_apart() -> None:
     assert explorations(3.9, backoff=3, plain_noise=0.3) >= plain - 2
 
 
-def exploring_share(n: int = 64, steps: int = 250) -> tuple[int, float]:
+def exploring_share(n: int = 64, steps: int = 250, behind: int = 0, **kw) -> tuple[int, float]:
     """Saturation, compute-bound (verify 4.5 ms a token, draft 1 ms a token, batch 64): plain decode runs (0.29 s
-    a step). Explorations, and the share of the run's time they lost against plain steps."""
-    p = policy(costs(verify=lambda t: 4.5 * MS * t, draft=lambda t: 1 * MS * t), explore_every=256)
+    a step). Explorations, and the share of the run's time they lost against plain steps. ``behind``: tokens each
+    request's draft has to catch up before its first candidate (it decoded plainly that long)."""
+    p = policy(costs(verify=lambda t: 4.5 * MS * t, draft=lambda t: 1 * MS * t), **{"explore_every": 256, **kw})
     reqs = requests(n)
     for r in reqs:
         teach(p, r, 0.7, seed=r.seq_id)
+        r.output_token_ids = [2] * (10 + behind)
+        r.num_cached_target = r.num_tokens - 1
+        r.num_cached_draft = r.num_cached_target - behind
     explored, lost, total = 0, 0.0, 0.0
     for _ in range(steps):
         shapes = p.plan(reqs)
         fwd = [sum(len(s) > f for s in shapes) for f in range(max(map(len, shapes)))]
+        if fwd:
+            fwd[0] += behind * fwd[0]
         t = n + sum(len(s) for s in shapes)
         secs = 4.5 * MS * t + 1 * MS * sum(fwd)
         explored += any(shapes)
@@ -272,6 +278,16 @@ def test_an_exploration_step_many_times_longer_than_a_plain_one_is_rare() -> Non
     the plain one."""
     explored, share = exploring_share()
     assert explored >= 1 and share <= 0.05, (explored, share)
+
+
+@pytest.mark.parametrize("stall", [3.0, 1e9])
+def test_an_exploration_many_steps_long_spends_less_than_the_budget(stall: float) -> None:
+    """The drafts are 200 tokens behind: an exploration step (a few requests feed their drafts 201 tokens each)
+    is ~8 plain steps long, a stall every stream of the batch feels. It gets the budget scaled by 3 / its length
+    in steps: one exploration in 600 steps, 1.1 % of the time; the control (no scaling) explores twice, 2.2 %."""
+    explored, share = exploring_share(steps=600, behind=200, explore_stall=stall, explore_every=10**6)
+    assert explored >= 1, explored
+    assert (share < 0.015) == (stall == 3.0), share
 
 
 def test_while_plain_decode_runs_a_few_requests_explore() -> None:
@@ -629,6 +645,21 @@ def test_the_verify_is_priced_at_the_batchs_sequence_count() -> None:
     shapes = p.plan(reqs)
     depths = sorted(len(s) for s in shapes)
     assert sum(d > 0 for d in depths) >= 28 and depths[-1] <= 3, depths  # the request-own rates vary a little
+
+
+def test_past_its_sizes_a_batch_sizes_curve_rises_at_least_as_its_own_last_two() -> None:
+    """Batch 64 measured at 64 and 128 tokens, rising linearly (4 ms a token: compute-bound); the all-steps curve
+    is flat past 128 tokens (prompt chunks: one sequence's tokens are cheap). 576 tokens at batch 64 are priced on
+    the batch's own slope (~2.3 s), not the flat shape's 0.5 s; a batch size whose own curve is flat keeps the
+    shape's price."""
+    cost = CostModel()
+    for x, y in [(8, 0.1), (64, 0.2), (128, 0.5), (512, 0.6), (2048, 0.8)]:  # other batch sizes and prefill
+        cost.verify.observe(x, y)
+    for x, y in [(64, 0.256), (128, 0.512)]:
+        cost.verify_by_seqs.setdefault(Curve.bucket(64), Curve()).observe(x, y)
+        cost.verify_by_seqs.setdefault(Curve.bucket(4), Curve()).observe(x / 16, 0.02)
+    assert cost.verify_seconds(576, 64) == pytest.approx(4 * MS * 576, rel=0.01)
+    assert cost.verify_seconds(36, 4) == pytest.approx(0.02 * cost.verify(36) / cost.verify(8), rel=0.01)
 
 
 def test_sampled_steps_of_an_unmeasured_batch_size_are_priced_from_the_greedy_curve_of_that_size() -> None:
