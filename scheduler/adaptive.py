@@ -225,13 +225,18 @@ class AdaptivePolicy:
 
     def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""
-        best = self.best_chains(rs)
-        for other in (self._trees_where_they_pay(rs, best), self._tree_plan(rs)):
-            if other is not None and other.rate > best.rate:
-                best = other
-        prev = self._previous(rs, best.shapes)
-        if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
-            best = prev
+        if not self._cost.knows_batch_size(len(rs) + len(self._pinned)):
+            # Plain decode measures this batch size's first sizes; an exploration (a few requests speculating)
+            # its second, as soon as the budget allows (a size never measured here is not held to explore_min).
+            best = self.price(rs, [()] * len(rs))
+        else:
+            best = self.best_chains(rs)
+            for other in (self._trees_where_they_pay(rs, best), self._tree_plan(rs)):
+                if other is not None and other.rate > best.rate:
+                    best = other
+            prev = self._previous(rs, best.shapes)
+            if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
+                best = prev
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
         explore = self._exploration(rs, best, fixed)

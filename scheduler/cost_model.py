@@ -233,6 +233,20 @@ class CostModel:
             return g(verify_tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
         return self.verify(verify_tokens)
 
+    def knows_batch_size(self, num_seqs: int) -> bool:
+        """Whether a plan at this batch size is priced from measurements of it: its own curve (or the fallback's)
+        has two sizes, or this model keeps no batch-size curves at all (curves made by hand).
+
+        With fewer, every verify size is the all-steps curve's shape scaled to one point: at concurrency 64 on a
+        large model whose start-up profiling covered batch 1 only, that shape was batch 1's (memory-bound: flat),
+        so 64 requests x 9 tokens looked as cheap as 64 x 1 and the first step ran the configured depth for
+        everyone, 7 s against 0.5 s for a plain one."""
+        if not self.verify_by_seqs and (self.fallback is None or not self.fallback.verify_by_seqs):
+            return True
+        b = Curve.bucket(num_seqs)
+        return any(m is not None and b in m.verify_by_seqs and len(m.verify_by_seqs[b].points) >= 2
+                   for m in (self, self.fallback))
+
     def _priced_curve(self, num_seqs: int) -> Curve:
         """The curve ``verify_seconds`` starts from: this batch size's where it has measured any, else all steps'."""
         c = self.verify_by_seqs.get(Curve.bucket(num_seqs))

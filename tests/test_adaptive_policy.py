@@ -662,6 +662,28 @@ def test_past_its_sizes_a_batch_sizes_curve_rises_at_least_as_its_own_last_two()
     assert cost.verify_seconds(36, 4) == pytest.approx(0.02 * cost.verify(36) / cost.verify(8), rel=0.01)
 
 
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_batch_size_measured_at_one_size_runs_plain_decode(guard: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up profiling measured batch 1 only (flat: memory-bound); batch 64 has one point, its prompts' prefill
+    (2048 tokens, 8 s). Every verify size at batch 64 is that point times batch 1's flat shape, so the configured
+    depth for everyone looks free: the control (no guard) runs it. Guarded, plain decode runs until the batch size
+    has two sizes, but for a few requests' exploration (64 candidates on 8 requests) that measures a second size;
+    once its plain step is measured (64 tokens, 0.25 s: linear, compute-bound) nobody speculates."""
+    if not guard:
+        monkeypatch.setattr(CostModel, "knows_batch_size", lambda self, n: True)
+    cost = costs(verify=lambda n: 0.06, draft=lambda n: 0.015, state=lambda n: 0.0)
+    cost.verify_by_seqs = {Curve.bucket(1): curve(lambda n: 0.06, xs=(1, 9)), Curve.bucket(64): Curve()}
+    cost.verify_by_seqs[Curve.bucket(64)].observe(2048, 8.0)
+    p = policy(cost)
+    reqs = requests(64)
+    for r in reqs:
+        teach(p, r, 0.8, seed=r.seq_id)
+    speculating = sum(1 for s in p.plan(reqs) if s)
+    assert speculating <= 8 if guard else speculating == 64, speculating
+    cost.verify_by_seqs[Curve.bucket(64)].observe(64, 0.25)
+    assert not any(p.plan(reqs))
+
+
 def test_sampled_steps_of_an_unmeasured_batch_size_are_priced_from_the_greedy_curve_of_that_size() -> None:
     """The sampled curves measured batch 16 only (2 tokens a sequence: 32 tokens for 0.12 s); the greedy curve of
     batch 32 measured its plain step (32 tokens, 0.19 s). A plain sampled step of batch 32 is priced from the
