@@ -131,13 +131,14 @@ class AdaptivePolicy:
     # 2 ** explore_backoff times (a miss resets it): at batch 1 plain decode is cheap to explore and so was
     # re-measured every 8 steps, 2-3 % of the time spent confirming what the policy knew.
     explore_backoff: int = 3
-    # A plan whose exploration step is predicted to take over twice the chosen step's time, and whose steady rate
+    # A plan whose exploration step is predicted to take over ``explore_stall`` chosen steps, and whose steady rate
     # (its catch-up spread as the plan prices it) is below this fraction of the chosen plan's, is not explored: only
     # a curve wrong by more than 1 / explore_floor could make it the better one. At concurrency 64 (larger random
-    # pair, T = 0.8) the configured depth for everyone (512 candidates) was explored while chains of 1 ran: one 5 s
-    # step, 8 % of the run. A cheap one (plain decode at batch 1) is explored whatever its rate: a wrong curve
-    # there (one measured while another process ran was 2.7x too dear) is corrected at little cost.
-    explore_floor: float = 0.5
+    # pair, T = 0.8) the configured depth for everyone (512 candidates, predicted at 0.57x their rate) was explored
+    # while chains of 1 ran: one 5 s step, 8 % of the run. A shorter one is explored whatever its rate: at batch 1
+    # the configured depth is 1-3 steps long, and a wrong curve there (one measured while another process ran was
+    # 2.7x too dear) is corrected at little cost.
+    explore_floor: float = 0.67
     # Rounds of a sampling regime the engine must have seen before its requests are planned: until then they run
     # the configured shape. A policy that plans from the default prior alone may choose K = 0 and then never
     # measures the acceptance that would have made speculation pay.
@@ -495,7 +496,8 @@ class AdaptivePolicy:
                 return c
             if alternatives or rec.age >= self.explore_min or not rec.measured:
                 cost = self.price(real, c)
-                if cost.seconds > 2 * chosen.seconds and self.price(rs, c).rate < self.explore_floor * chosen.rate:
+                if (cost.seconds > self.explore_stall * chosen.seconds
+                        and self.price(rs, c).rate < self.explore_floor * chosen.rate):
                     continue  # dear, and only a curve wrong by 1 / explore_floor could make it the better plan
                 backoff = 2 ** min(self.explore_backoff, rec.confirms)
                 interval = backoff * self._explore_interval(chosen, cost, rec.measured)
