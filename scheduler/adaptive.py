@@ -27,9 +27,10 @@ the configured shape on a few requests, as many candidates as chains of 1 or of 
 that size was not measured lately at this batch size: after 8 to ``explore_every`` steps, sooner the less time
 the step is predicted to lose against the chosen plan (~3 % of the time spent exploring when the prediction is
 right, less where an exploration step is many chosen steps long; a wrong one, e.g. a size first measured while
-another process ran, is corrected in tens of steps where exploring is cheap). Until both curves have data the
-configured depth runs (the fixed policy); the engine seeds both curves at start-up with
-a few steps of dummy sequences over depths and batch sizes (engine/policy_warmup.py, through ``forced``).
+another process ran, is corrected in tens of steps where exploring is cheap). The engine seeds both curves at
+start-up with a few steps of dummy sequences over depths and batch sizes (engine/policy_warmup.py, through
+``forced``); until they can price a plan, plain decode and a few requests at the configured shape take turns
+(``_cold``).
 
 Reproducibility: greedy output never depends on any of this (the depth never changes a greedy token), and
 unseeded sampled output keeps the target's law at every depth. A *seeded* sampled request's tokens depend on the
@@ -146,6 +147,7 @@ class AdaptivePolicy:
     observing: bool = True  # False: step times are not learned (the start-up profiling's first steps)
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     explored_steps: int = 0
+    _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
@@ -201,9 +203,10 @@ class AdaptivePolicy:
         pin = self._pins(reqs)
         self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
         rs = [v for v, p in zip(views, pin, strict=True) if not p]
-        if not rs or not self._cost.ready:
-            return fixed  # nothing measured yet: the configured depth, which measures both curves
-        chosen = self._plan_free(rs, [f for f, p in zip(fixed, pin, strict=True) if not p])
+        if not rs:
+            return fixed
+        free_fixed = [f for f, p in zip(fixed, pin, strict=True) if not p]
+        chosen = self._plan_free(rs, free_fixed) if self._cost.ready else self._cold(rs, free_fixed)
         it = iter(chosen)
         return [f if p else next(it) for f, p in zip(fixed, pin, strict=True)]
 
@@ -223,6 +226,21 @@ class AdaptivePolicy:
                 pin[i] = True
                 need[r.params.greedy] -= 1
         return pin
+
+    def _cold(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Shapes while the step's curves cannot price a plan (fewer than two verify sizes, or no draft forward):
+        what measures them, stalling the batch least. Where pinned rounds speculate, they measure a speculative
+        size and the draft, and the others decode plainly; else plain decode and a few requests at the configured
+        shape (``_few_speculate``, about half the configured depth's candidates for the batch) take turns.
+
+        Running the configured depth for everyone until then (as this did) is the dearest step there is at
+        saturation: at concurrency 32 on the larger random pair, on a machine where the start-up profiling's
+        3 s measured nothing but batch 1's plain step, the first 12 steps ran depth 8 for all 32 requests,
+        3-4.2 s each against 0.6 s for a plain one: a third of a two-minute run."""
+        if any(shape for _, shape in self._pinned):
+            return [()] * len(rs)
+        self._cold_steps += 1
+        return [()] * len(rs) if self._cold_steps % 2 else self._few_speculate(rs, fixed)[-1]
 
     def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""

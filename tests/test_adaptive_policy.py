@@ -317,11 +317,30 @@ def test_speculation_predicted_barely_better_than_plain_decode_is_not_run(margin
     assert p.plan(req) == want
 
 
-def test_unmeasured_costs_run_the_configured_depth() -> None:
+def test_unmeasured_costs_run_the_configured_depth_only_where_it_measures_them() -> None:
+    """With nothing measured, a regime's first rounds (pinned: ``min_rounds``) run the configured depth, cut to
+    their caps, and the rest of the batch decodes plainly; once the regime is seen, plain decode and a few
+    requests at the configured depth take turns until the curves can price a plan. The configured depth for
+    everyone (the control, as this was) stalled 32 requests for 3-4 s a step at batch 32 on the larger random
+    pair, against 0.6 s for plain decode."""
     p = policy(CostModel())
-    reqs = requests(3)
-    reqs[0].params = SamplingParams(max_tokens=13)  # 3 tokens left: at most a chain of 2 (and the bonus token)
-    assert p.plan(reqs) == [(1, 1), (1,) * K_MAX, (1,) * K_MAX]
+    reqs = requests(32)
+    reqs[0].params = SamplingParams(max_tokens=13, temperature=0.0)  # 3 tokens left: at most a chain of 2
+    assert p.plan(reqs) == [(1, 1)] + [(1,) * K_MAX] * 7 + [()] * 24
+    p.min_rounds = 0  # the regime's rounds seen
+    assert p.plan(reqs) == [()] * 32
+    turn = p.plan(reqs)
+    assert sum(map(len, turn)) == 32 * K_MAX // 2 and sum(1 for s in turn if s) == 17, turn
+    assert p.plan(reqs) == [()] * 32
+    assert p.plan(reqs) == turn
+
+
+def test_the_control_of_unmeasured_costs_runs_the_configured_depth_for_everyone(monkeypatch: pytest.MonkeyPatch
+                                                                                ) -> None:
+    """The property above, broken: ``_cold`` giving the configured depth (what the fixed policy runs)."""
+    p = policy(CostModel(), min_rounds=0)
+    monkeypatch.setattr(p, "_cold", lambda rs, fixed: fixed)
+    assert sum(map(len, p.plan(requests(32)))) == 32 * K_MAX
 
 
 def test_curve_interpolates_and_never_gets_cheaper_past_its_last_point() -> None:
