@@ -22,7 +22,7 @@ from engine.faults import WorkerDiedError
 from engine.metrics import SpecDecodingStats, StepTimes
 from engine.outputs import RequestDelta, RequestOutput
 from engine.pipelined_drafter import PipelinedDrafter
-from engine.policy_warmup import warm_up_policy
+from engine.policy_warmup import ProfileKeeper, warm_up_policy
 from engine.recovery import Recovery
 from engine.stopping import StopChecker
 from scheduler.adaptive import AdaptivePolicy
@@ -116,8 +116,10 @@ class LLMEngine:
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
+        # What the adaptive policy learns goes back to its profile file (engine/policy_warmup.py).
+        self.profile_keeper: ProfileKeeper | None = None
         if isinstance(policy, AdaptivePolicy):  # seed its cost curves before the first user request
-            warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
+            self.profile_keeper = warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
 
     def _new_drafter(self) -> Drafter:
         spec = self.config.speculative
@@ -209,6 +211,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (Ray actors, sockets); the engine is unusable afterwards."""
+        if self.profile_keeper is not None:
+            self.profile_keeper.save()
         self.executor.shutdown()
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -238,6 +242,8 @@ class LLMEngine:
                     if self.recovery is None:
                         raise
                     self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
+                if self.profile_keeper is not None:
+                    self.profile_keeper.tick()
             return self._take_deltas()
         except BaseException as e:
             self._dead = e

@@ -9,7 +9,7 @@ import pytest
 
 from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
-from scheduler.cost_model import CostModel, Curve
+from scheduler.cost_model import CostModel, Curve, cost_model_to_dict
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import spec
 
@@ -187,9 +187,10 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     first, out = start(cfg)
     (path,) = tmp_path.glob("policy-costs-*.json")
     assert profiled == [1] and first["greedy"]["verify"]["points"]
+    kept = {k: v for k, v in json.loads(path.read_text()).items() if k != "format"}  # as the first one left it
     again, out_again = start(cfg)
     assert profiled == [1]  # not profiled: read from the file
-    assert again == first == {k: v for k, v in json.loads(path.read_text()).items() if k != "format"}
+    assert again == kept
     assert out_again == out
     start(cfg, max_num_seqs=4)  # another setup: its own profile
     assert len(profiled) == 2 and len(list(tmp_path.glob("policy-costs-*.json"))) == 2
@@ -198,6 +199,38 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1, 0]]}}}')  # not ours: ignored
     start(cfg)
     assert len(profiled) == 4 and json.loads(path.read_text())["greedy"]["verify"]["points"]  # and rewritten
+
+
+def test_what_the_live_steps_measure_goes_back_to_the_profile(llama, tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Curves learned from user steps reach the profile file while the engine runs (a killed engine keeps them)
+    and at shutdown; the next engine of the same setup starts from them, not from the start-up profile."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    cfg = {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 1}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def on_file() -> dict:
+        (path,) = tmp_path.glob("policy-costs-*.json")
+        return json.loads(path.read_text())["greedy"]
+
+    with LLM(llama.target, cfg, block_size=4, max_num_seqs=3) as llm:
+        keeper = llm.engine.profile_keeper
+        assert keeper is not None
+        profiled = on_file()
+        llm.generate(PROMPTS, greedy)  # batch 3: a size the profiling (batches 1 and 3) measured, now again
+        assert on_file() == profiled  # not a minute of steps yet
+        keeper.every_s, keeper._due = 0.0, 0.0
+        llm.generate(PROMPTS[:2], greedy)  # batch 2: a bucket of its own
+        live = on_file()
+        assert live != profiled and "1" in live["verify_by_seqs"]  # written during the steps
+        assert live == cost_model_to_dict(llm.engine.scheduler.policy.cost)
+        llm.generate(PROMPTS[:1], greedy)
+        keeper.every_s = keeper._due = 1e9  # nothing more during steps: what follows is shutdown's
+        llm.generate(PROMPTS, greedy)
+        final = cost_model_to_dict(llm.engine.scheduler.policy.cost)
+    assert on_file() == final != live
+    with LLM(llama.target, cfg, block_size=4, max_num_seqs=3) as llm:  # starts from them (no profiling)
+        assert cost_model_to_dict(llm.engine.scheduler.policy.cost) == final
 
 
 def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
