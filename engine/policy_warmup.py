@@ -197,17 +197,23 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     deadline = time.perf_counter() + budget_s
     steps = 0
     try:
-        # The first calls pay one-off costs (allocator, kernels' first run): run one group, then forget it.
+        # The first calls pay one-off costs (allocator, kernels' first run): one round of the configured shape,
+        # then forgotten (a whole group of it was the dearest group of all, a third of the 3 s budget on a slow
+        # model at batch 1).
         policy.forced = tree
-        steps += _group(engine, rng, 1, 0.0, len(tree))
+        steps += _group(engine, rng, 1, 0.0, len(tree), rounds=1)
         policy.cost, policy.sampled_cost = CostModel(), CostModel()
+        # Per batch size, plain decode and the short chain of each regime first: two verify sizes and a draft
+        # forward are what a regime's curves need to price any plan (``CostModel.ready``), so a budget cut short
+        # on a slow model leaves the policy able to plan; then the configured shape, each regime.
+        temperatures = (0.0, 0.8)  # sampled steps have their own curves
+        groups = [(s, t) for t in temperatures for s in shapes[:2]] + [(s, t) for s in shapes[2:] for t in temperatures]
         for b in batches:  # small batches first: what a budget cut leaves out is the rarer case
-            for shape in shapes:
-                for temperature in (0.0, 0.8):  # sampled steps have their own curves
-                    if time.perf_counter() > deadline:
-                        return steps
-                    policy.forced = shape
-                    steps += _group(engine, rng, b, temperature, len(shape))
+            for shape, temperature in groups:
+                if time.perf_counter() > deadline:
+                    return steps
+                policy.forced = shape
+                steps += _group(engine, rng, b, temperature, len(shape))
     finally:
         policy.forced = None
         policy.observing = True
@@ -218,18 +224,20 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     return steps
 
 
-def _group(engine: LLMEngine, rng: random.Random, batch: int, temperature: float, depth: int) -> int:
-    """``batch`` dummy requests: a prefill step and ``ROUNDS`` rounds of ``depth``, then aborted; the steps run."""
+def _group(engine: LLMEngine, rng: random.Random, batch: int, temperature: float, depth: int,
+           rounds: int = ROUNDS) -> int:
+    """``batch`` dummy requests: a prefill step and ``rounds`` rounds of ``depth`` (the first ``SKIPPED`` steps
+    not learned from), then aborted; the steps run."""
     vocab = engine.vocab_size
     ids = [f"__policy_warmup_{i}" for i in range(batch)]
     for rid in ids:
         prompt = [rng.randrange(1, vocab) for _ in range(PROMPT_LEN)]
         # Room for every round to be fully accepted, so none is cut short by the token limit.
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=(ROUNDS + SKIPPED) * (depth + 1),
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=(rounds + SKIPPED) * (depth + 1),
                                                        temperature=temperature, ignore_eos=True))
     steps = 0
     policy = engine.scheduler.policy
-    while engine.has_unfinished and steps <= ROUNDS + SKIPPED:
+    while engine.has_unfinished and steps <= rounds + SKIPPED:
         # The prefill step and the first round pay one-off costs (the draft's own prefill, new shapes): not kept.
         policy.observing = steps >= SKIPPED
         engine.step()

@@ -233,6 +233,35 @@ def test_what_the_live_steps_measure_goes_back_to_the_profile(llama, tmp_path, m
         assert cost_model_to_dict(llm.engine.scheduler.policy.cost) == final
 
 
+def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget that runs out after a few groups (a slow model) still leaves each regime's curves able to price a
+    plan: per batch size, plain decode and the short chain of the greedy regime, then of the sampled one, before
+    the configured shape. Plain decode of both regimes first (as this was) left a 3 s budget on the larger
+    random pair with one verify size and no draft forward: the policy could not plan."""
+    from types import SimpleNamespace
+
+    import engine.policy_warmup as warmup
+    from scheduler.spec_policy import SpecPolicy, TreeShape
+
+    clock = {"t": 0.0}
+    groups: list[tuple[int, float, int, int]] = []
+
+    def group(engine, rng, batch, temperature, depth, rounds=warmup.ROUNDS) -> int:
+        groups.append((batch, temperature, depth, rounds))
+        clock["t"] += 1.0  # each group takes a second
+        return 1
+
+    monkeypatch.setattr(warmup, "_group", group)
+    monkeypatch.setattr(warmup, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))
+    fake = SimpleNamespace(max_model_len=1024, config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=16)),
+                           stats=SimpleNamespace(), times=SimpleNamespace())
+    policy = AdaptivePolicy(SpecPolicy(TreeShape((2, 1, 1, 1)), 1024, 1024))
+    warmup.profile(fake, policy, 4.5)
+    assert groups[0] == (1, 0.0, 4, 1)  # the one-off costs: one round of the configured shape, forgotten
+    assert groups[1:5] == [(1, 0.0, 0, 4), (1, 0.0, 2, 4), (1, 0.8, 0, 4), (1, 0.8, 2, 4)], groups
+    assert len(groups) == 5  # the budget's end
+
+
 def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
     from scheduler.cost_model import cost_model_from_dict, cost_model_to_dict, curve_from_dict
 
