@@ -135,6 +135,30 @@ def test_server_process_failures_are_bounded_and_explained(tmp_path):
     assert sp.proc.poll() is not None  # killed, not left behind
 
 
+def test_a_sweep_stopped_with_sigterm_stops_its_servers(tmp_path):
+    """The server runs in a session of its own (so stopping it reaches its workers); a SIGTERM to the process
+    that started it must stop it too, not leave it serving (Python's default SIGTERM skips every ``with``)."""
+    import signal
+    import subprocess
+
+    code = ("import sys, time; from engine.benchmarks.server_process import ServerProcess\n"
+            f"with ServerProcess({_stub_cmd(Schedule())!r}, {str(tmp_path / 's.log')!r}, startup_timeout_s=30,"
+            " stop_timeout_s=5) as sp:\n"
+            "    print(sp.proc.pid, flush=True)\n"
+            "    time.sleep(60)\n")
+    sweep = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    try:
+        server_pid = int(sweep.stdout.readline())
+        os.kill(server_pid, 0)  # serving
+        sweep.send_signal(signal.SIGTERM)
+        assert sweep.wait(timeout=20) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(server_pid, 0)
+    finally:
+        sweep.kill()
+        sweep.wait()
+
+
 # Two stub "servers": one generates for at most 2 requests at a time, the other for 4; a request holds its slot
 # 50 + 7 x 20 ms. Between one request's end and the next one's arrival a slot idles (the client's turnaround:
 # a few ms on an idle machine, tens when the cores are shared), so at concurrency = capacity throughput can fall

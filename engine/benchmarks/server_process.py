@@ -3,7 +3,9 @@
 The server prints ``specserve: serving on http://HOST:PORT`` once ready (it binds port 0, so the port is
 only known from that line); the sweep then also waits for ``/health`` to answer 200. Its output goes to a log
 file, whose tail is in the error if start-up fails. The server runs in a session of its own so that stopping
-it (SIGTERM, then SIGKILL after a grace period) also reaches any worker processes it started.
+it (SIGTERM, then SIGKILL after a grace period) also reaches any worker processes it started. For the same
+reason a signal to the sweep's own process group does not reach it: a SIGTERM to the process that started it
+exits through Python (``with`` blocks stop their servers) instead of at once, which left them running.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def serve_command(engine_args: list[str], prefix: list[str] | None = None) -> li
     return [*(prefix or [sys.executable, "-m", "engine.cli", "serve"]), *args]
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit (status 143) in this process where nothing else handles it, so ``finally`` and
+    ``__exit__`` run and stop the servers it started (only the main thread can set a handler)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 class ServerProcess:
     def __init__(self, cmd: list[str], log_path: str, startup_timeout_s: float = 300.0,
                  stop_timeout_s: float = 30.0, env: dict[str, str] | None = None):
@@ -59,6 +68,7 @@ class ServerProcess:
         self.stop()
 
     def start(self) -> str:
+        _exit_on_sigterm()
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed by the reader thread)
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
