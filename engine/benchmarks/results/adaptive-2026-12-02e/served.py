@@ -78,17 +78,17 @@ for rep in range(REPS):
                 eng.add_request(f"r{rep}-{sent}", prompts[sent],
                                 SamplingParams(max_tokens=OUT, temperature=T, ignore_eos=True))
                 sent += 1
-            before, s0 = len(trace), time.perf_counter()
+            before, s0, tok0 = len(trace), time.perf_counter(), tok
             for d in eng.step():
                 tok += len(d.new_token_ids)
                 done += d.finished
-            steps.append((time.perf_counter() - s0, trace[before] if len(trace) > before else None))
+            steps.append((time.perf_counter() - s0, trace[before] if len(trace) > before else None, tok - tok0))
         elapsed = time.perf_counter() - t0
         if isinstance(pol, AdaptivePolicy):
             del pol.plan
         res[n].append(tok / elapsed)
         kinds: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-        for s, tr in steps:
+        for s, tr, _ in steps:
             k = "noplan" if tr is None else "explore" if tr[3] else "spec" if tr[1] else "plain"
             kinds[k][0] += 1
             kinds[k][1] += s
@@ -96,9 +96,10 @@ for rep in range(REPS):
               + " ".join(f"{k} {v[0]} ({v[1]:.1f} s)" for k, v in sorted(kinds.items()))
               + f"; policy {sum(plan_s):.2f} s", flush=True)
         if VERBOSE:
-            for i, (s, tr) in enumerate(steps):
+            for i, (s, tr, emitted) in enumerate(steps):
                 if tr and tr[1]:
-                    print(f"   step {i}: {s * 1000:.0f} ms, batch {tr[0]}, {tr[1]} candidates on {tr[2]} requests"
+                    print(f"   step {i}: {s * 1000:.0f} ms, {emitted} tokens, batch {tr[0]}, {tr[1]} candidates on "
+                          f"{tr[2]} requests"
                           + (", exploration" if tr[3] else ""))
 print("medians", {n: round(statistics.median(v), 1) for n, v in res.items()})
 base = list(cfgs)[0]
