@@ -208,7 +208,8 @@ class AdaptivePolicy(Exploration):
         if any(shape for _, shape in self._pinned):
             return [()] * len(rs)
         self._cold_steps += 1
-        return [()] * len(rs) if self._cold_steps % 2 else self._few_speculate(rs, fixed)[-1]
+        turns = self._few_speculate(rs, fixed) if self._cold_steps % 2 == 0 else []
+        return turns[-1] if turns else [()] * len(rs)  # none when no request has room to speculate
 
     def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""

@@ -335,6 +335,16 @@ def test_unmeasured_costs_run_the_configured_depth_only_where_it_measures_them()
     assert p.plan(reqs) == turn
 
 
+def test_unmeasured_costs_with_no_room_to_speculate_decode_plainly() -> None:
+    """The cold turn of a few requests speculating, where every request has one token left (caps 0): nothing can
+    speculate, so the turn is plain decode (it indexed an empty list of turns and failed the engine's step)."""
+    p = policy(CostModel(), min_rounds=0)
+    reqs = requests(4)
+    for r in reqs:
+        r.params = SamplingParams(max_tokens=11, temperature=0.0)  # 1 token left: cap 0
+    assert [p.plan(reqs) for _ in range(2)] == [[()] * 4] * 2
+
+
 def test_the_control_of_unmeasured_costs_runs_the_configured_depth_for_everyone(monkeypatch: pytest.MonkeyPatch
                                                                                 ) -> None:
     """The property above, broken: ``_cold`` giving the configured depth (what the fixed policy runs)."""
