@@ -93,6 +93,11 @@ class AcceptanceTracker:
     request_decay: float = 0.8  # a request's memory: ~5 rounds
     request_idle_decay: float = 0.93  # ... of a depth it does not reach: ~14 rounds
     engine_decay: float = 0.995  # the engine's: ~200 rounds
+    # ... and of a depth its rounds do not reach: ~100 rounds. Aged only when tried, the few rounds that reach a
+    # deep position decide it for good: at batch 1, T = 0.8 (built-in pair) the first request's 8 rounds at depth
+    # 8 left positions 7 and 8 at 0.42 and 0.28 (the others ~0.88), the policy chose depth 5 from then on, and
+    # nothing ever tried them again. Aged, they drift back to the rate above them and are tried once more.
+    engine_idle_decay: float = 0.99
     prior_weight: float = 2.0  # how many rounds of evidence DEFAULT_RATE is worth to the engine's rates
     # ... and how many the engine's rates are worth to a request's own: None learns it from how far apart the
     # requests' first-position rates are (``request_weight``); a number fixes it.
@@ -105,10 +110,10 @@ class AcceptanceTracker:
     _finished: dict[bool, _Spread] = field(default_factory=dict)  # greedy -> finished requests' first-position rates
     _weight: dict[bool, float] = field(default_factory=dict)  # greedy -> request_weight, until the next round
 
-    def _counts(self, table: dict, key: tuple, decay: float) -> PositionCounts:
-        c = table.get(key)
+    def _engine_counts(self, greedy: bool, tree: bool) -> PositionCounts:
+        c = self._engine.get((greedy, tree))
         if c is None:
-            c = table[key] = PositionCounts(decay)
+            c = self._engine[(greedy, tree)] = PositionCounts(self.engine_decay, self.engine_idle_decay)
         return c
 
     def observe(self, seq_id: int, greedy: bool, tree: bool, depth: int, num_accepted: int) -> None:
@@ -125,7 +130,7 @@ class AcceptanceTracker:
         _, accepted, rounds = self._life.get(seq_id, (greedy, 0, 0))
         self._life[seq_id] = (greedy, accepted + (num_accepted > 0), rounds + 1)
         self._weight.pop(greedy, None)
-        self._counts(self._engine, (greedy, tree), self.engine_decay).observe(depth, num_accepted)
+        self._engine_counts(greedy, tree).observe(depth, num_accepted)
         counts = self._requests.get((seq_id, tree))
         if counts is None:
             counts = self._requests[(seq_id, tree)] = PositionCounts(self.request_decay, self.request_idle_decay)
@@ -173,7 +178,7 @@ class AcceptanceTracker:
         chain's rate at that level. Siblings would accept 1 - (1 - alpha)^w if they were independent, but they
         are not (at T=0 they are the draft's next-best tokens; at T>0 draws from the same q), and a prior that
         promises the gain picks an unmeasured tree; the tree wins once its own rounds show the gain)."""
-        chain = self._counts(self._engine, (greedy, False), self.engine_decay)
+        chain = self._engine_counts(greedy, False)
         # A position's prior is the rate of the one above it (DEFAULT_RATE at the first): a depth the policy has
         # not tried yet looks like the deepest one it has measured. A fixed prior below the measured rates
         # would keep a policy that stopped at depth d from ever trying d + 1 (its rounds never reach it), and
@@ -183,7 +188,7 @@ class AcceptanceTracker:
             rates.append(chain.rate(j, rates[-1] if rates else DEFAULT_RATE, self.prior_weight))
         if widths is None:
             return rates
-        tree = self._counts(self._engine, (greedy, True), self.engine_decay)
+        tree = self._engine_counts(greedy, True)
         return [tree.rate(j, rates[j], self.prior_weight) for j in range(depth)]
 
     def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,

@@ -457,6 +457,28 @@ def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     assert t.rates(0, True, 4, prior=prior)[2] > prior[2] - 0.1
 
 
+@pytest.mark.parametrize("idle_decay, drifts", [(0.99, True), (1.0, False)])
+def test_an_engine_wide_depth_the_rounds_stopped_reaching_drifts_back_to_the_one_above(idle_decay: float,
+                                                                                       drifts: bool) -> None:
+    """The first rounds of a regime (depth 8) miss at positions 7 and 8, then 300 rounds of depth 5 accept ~0.9:
+    the engine's rates at 7 and 8 must return towards the one above them, or the policy, which priced them at
+    the early misses, never runs deep enough to measure them again (at batch 1, T = 0.8, built-in pair: 0.42 and
+    0.28 against ~0.88 above, depth 5 for the rest of the run). The control (no idle ageing) keeps the misses."""
+    t = AcceptanceTracker(engine_idle_decay=idle_decay)
+    for s in range(8):
+        t.observe(s, False, False, 8, 6)
+    assert t.engine_rates(False, 8)[6] < 0.5
+    rng = random.Random(0)
+    for s in range(300):
+        a = 0
+        while a < 5 and rng.random() < 0.9:
+            a += 1
+        t.observe(100 + s // 30, False, False, 5, a)
+    rates = t.engine_rates(False, 8)
+    assert (min(rates[5:]) > 0.7) == drifts  # from 0.2
+    assert rates[0] == pytest.approx(0.9, abs=0.05)  # what the rounds reach keeps its measured rate
+
+
 def _rounds(t: AcceptanceTracker, seq_id: int, rate: float, rounds: int, rng: random.Random) -> None:
     for _ in range(rounds):  # chains of 4, each candidate accepted with probability ``rate``
         a = 0
