@@ -154,7 +154,7 @@ class AdaptivePolicy(Exploration):
         """A seeded sampled request runs the configured shape every round: its output must not depend on timing."""
         return req.params.seed is not None and not req.params.greedy
 
-    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+    def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
         # A prompt chunk in the same step is not priced (the policy is not told of it): the plan is the one for a
         # decode-only step. Priced beside the rounds, the prefill's seconds (which emit nothing) sat in every plan's
         # denominator, so any candidate with a positive rate raised the step's: at batch 64, T=0.8 (long prompts,
@@ -174,7 +174,7 @@ class AdaptivePolicy(Exploration):
         if not rs:
             return fixed
         free_fixed = [f for f, p in zip(fixed, pin, strict=True) if not p]
-        chosen = self._plan_free(rs, free_fixed) if self._cost.ready else self._cold(rs, free_fixed)
+        chosen = self._plan_free(rs, free_fixed, prefill) if self._cost.ready else self._cold(rs, free_fixed)
         it = iter(chosen)
         return [f if p else next(it) for f, p in zip(fixed, pin, strict=True)]
 
@@ -211,8 +211,13 @@ class AdaptivePolicy(Exploration):
         turns = self._few_speculate(rs, fixed) if self._cold_steps % 2 == 0 else []
         return turns[-1] if turns else [()] * len(rs)  # none when no request has room to speculate
 
-    def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``)."""
+    def _plan_free(self, rs: list[_Req], fixed: list[tuple[int, ...]], prefill: bool = False
+                   ) -> list[tuple[int, ...]]:
+        """Shapes of the requests the policy may choose for (the pinned ones are priced in ``self._pinned``).
+        No exploration in a step that prompt chunks share (``prefill``): its time is mostly theirs, so it measures
+        a prefill-sized call, not the decode size explored. At concurrency 64 (larger random pair, greedy, waves of
+        equal-length requests) the step that admitted 56 new requests was also the one where the 8 left decoding
+        made a batch size due for exploration: ~1 s more on a 6 s step, every wave, and the size still unmeasured."""
         if not self._cost.knows_batch_size(len(rs) + len(self._pinned)):
             # Plain decode measures this batch size's first sizes; an exploration (a few requests speculating)
             # its second, as soon as the budget allows (a size never measured here is not held to explore_min).
@@ -227,7 +232,7 @@ class AdaptivePolicy(Exploration):
                 best = prev
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
-        explore = self._exploration(rs, best, fixed)
+        explore = None if prefill else self._exploration(rs, best, fixed)
         if explore is not None:
             self.explored_steps += 1
             return explore

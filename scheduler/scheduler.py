@@ -171,8 +171,12 @@ class Scheduler:
         decoding = [r for r in self.running if not r.is_prefilling and not (held is not None and held(r))]
         # The policy shapes every round at once: the best depth of one request depends on the others' (they
         # share the verify and draft forwards).
+        # Whether prompt chunks will share the step (running prefills, or room to admit an arrival): a step whose
+        # time is mostly a prefill measures nothing of the decode sizes the policy would explore.
+        prefill = (any(r.is_prefilling for r in self.running)
+                   or (bool(self.waiting) and len(self.running) < self.config.max_num_seqs))
         shapes = ([()] * len(decoding) if self.policy is None
-                  else self.policy.plan(decoding))
+                  else self.policy.plan(decoding, prefill=prefill))
         for req, shape in zip(decoding, shapes, strict=True):
             if req.status is not RequestStatus.RUNNING:  # preempted below to make room for an older request
                 continue

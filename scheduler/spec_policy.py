@@ -82,7 +82,8 @@ class SpecPolicy:
     def cap(self, req: Request) -> int:
         return self.depth(req.num_tokens, req.remaining_tokens)
 
-    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+    def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
+        """Each request's round (``prefill``: prompt chunks will share the step)."""
         return [self.tree.branching[: self.cap(r)] for r in reqs]
 
     # What adaptive policies learn from; the fixed ones ignore it.
@@ -110,6 +111,6 @@ class BatchSizeSchedule(SpecPolicy):
                 k = depth
         return k
 
-    def plan(self, reqs: Sequence[Request]) -> list[tuple[int, ...]]:
+    def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
         k = self.depth_for_batch(len(reqs))
         return [self.tree.branching[: min(k, self.cap(r))] for r in reqs]

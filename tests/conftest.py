@@ -206,8 +206,8 @@ def random_plans(monkeypatch, seed: int = 0) -> None:
     rng = random.Random(seed)
     real = AdaptivePolicy.plan
 
-    def plan(self, reqs):
-        real(self, reqs)  # keeps its bookkeeping exercised
+    def plan(self, reqs, prefill=False):
+        real(self, reqs, prefill)  # keeps its bookkeeping exercised
         tree = self.base.tree.branching
         out = []
         for r in reqs:

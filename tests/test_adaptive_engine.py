@@ -97,7 +97,7 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     steps = {"plain": 0, "drafting": 0}
     plans = []
 
-    def plan(reqs):
+    def plan(reqs, prefill=False):
         plans.append(len(reqs))
         speculate = len(plans) % 3 == 0  # two plain steps, then one that drafts
         return [(1,) * min(K, policy.base.cap(r)) if speculate else () for r in reqs]

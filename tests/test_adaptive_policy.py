@@ -305,6 +305,19 @@ def test_while_plain_decode_runs_a_few_requests_explore() -> None:
     assert sum(map(len, shapes)) == 32 and all(not s for s in shapes[8:]), shapes
 
 
+@pytest.mark.parametrize("prefill", [False, True])
+def test_no_exploration_in_a_step_that_prompt_chunks_share(prefill: bool) -> None:
+    """An exploration is due (every step here); with prompt chunks in the step it waits: their time would be
+    most of the step, which then measures a prefill-sized call and not the decode size explored. The control
+    (no prefill) explores."""
+    p = policy(costs(verify=lambda t: 4.5 * MS * t, draft=lambda t: 1 * MS * t), explore_every=1, explore_min=1)
+    reqs = requests(8)
+    for r in reqs:
+        teach(p, r, 0.7, seed=r.seq_id)
+    shapes = p.plan(reqs, prefill=prefill)
+    assert (shapes == [()] * 8) == prefill and p.explored_steps == (not prefill), shapes
+
+
 @pytest.mark.parametrize("margin,want", [(0.05, [()]), (0.0, [(1,)])])
 def test_speculation_predicted_barely_better_than_plain_decode_is_not_run(margin: float, want) -> None:
     """Verify 10 ms + 9 ms a token more, a draft forward 0.3 ms, acceptance 0.95: a chain of 1 is predicted 1 %

@@ -379,3 +379,29 @@ def test_held_requests_get_no_round_and_keep_their_kv() -> None:
     batch = sched.schedule(held=lambda r: True)
     assert batch.empty and not batch.preempted and sched.running == [a, b]
     assert sched.schedule().rounds == [a, b]  # released: both decode again
+
+
+def test_the_policy_is_told_when_prompt_chunks_will_share_the_step() -> None:
+    """A waiting request with room to admit it (or a running prefill) makes ``prefill`` true for the plan; a
+    waiting one with no room, or none at all, leaves it false (the adaptive policy explores only then)."""
+    from scheduler.spec_policy import SpecPolicy, TreeShape
+
+    seen: list[bool] = []
+
+    class Recording(SpecPolicy):
+        def plan(self, reqs, prefill=False):
+            seen.append(prefill)
+            return [()] * len(reqs)
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64)
+    sched = Scheduler(cfg, BlockManager(64, 4), BlockManager(64, 4), 0,
+                      policy=Recording(TreeShape((1,)), 10_000, 10_000))
+    a, b, c = make_req(0, 3), make_req(1, 3), make_req(2, 3)
+    sched.add(a)
+    play(sched, sched.schedule())  # a is admitted and prefilled (nobody decodes)
+    play(sched, sched.schedule())  # a decodes alone
+    sched.add(b)
+    play(sched, sched.schedule())  # a decodes, b is admitted
+    sched.add(c)
+    play(sched, sched.schedule())  # a and b decode, c waits for a slot
+    assert seen == [True, False, True, False], seen

@@ -63,9 +63,9 @@ for rep in range(REPS):
         trace: list[tuple[int, int, int, bool]] = []  # (batch, candidates, speculating requests, exploration)
         plan_s: list[float] = []
         if isinstance(pol, AdaptivePolicy):
-            def plan(reqs, _p=pol, _plan=AdaptivePolicy.plan, trace=trace, plan_s=plan_s):
+            def plan(reqs, prefill=False, _p=pol, _plan=AdaptivePolicy.plan, trace=trace, plan_s=plan_s):
                 e0, t0 = _p.explored_steps, time.perf_counter()
-                shapes = _plan(_p, reqs)
+                shapes = _plan(_p, reqs, prefill)
                 plan_s.append(time.perf_counter() - t0)
                 trace.append((len(reqs), sum(map(len, shapes)), sum(1 for s in shapes if s), _p.explored_steps > e0))
                 return shapes
