@@ -336,7 +336,7 @@ class LLMEngine:
     @staticmethod
     def _step_shape(batch: ScheduledBatch) -> StepSample:
         """Tokens of the step's target forward and of each draft forward (times filled in after the step)."""
-        verify = sum(c.end - c.start for c in batch.prefills)
+        prefill = verify = sum(c.end - c.start for c in batch.prefills)
         forwards: list[int] = []
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             level = 1
@@ -348,7 +348,7 @@ class LLMEngine:
                 level *= w
                 verify += level
         return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
-                          0.0, sampled=any(not r.params.greedy for r in batch.rounds))
+                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill)
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables

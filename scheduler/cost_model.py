@@ -159,6 +159,7 @@ class StepSample:
     # The worker's seconds of each forward (with the sampling it feeds), when it timed them apart; the rest of
     # draft_s is the call's fixed part.
     draft_forward_s: list[float] | None = None
+    prefill_tokens: int = 0  # of verify_tokens, the prompt chunks'
 
 
 class VerifyRecord(NamedTuple):
@@ -185,7 +186,12 @@ class CostModel:
 
     def observe(self, s: StepSample) -> None:
         self.verify.observe(s.verify_tokens, s.verify_s)
-        if s.num_seqs > 0:
+        # The batch-size curves price decode plans: a step that also prefilled forwarded a prompt's many tokens
+        # per sequence, far cheaper per token than as many decode tokens of the batch's sequences. At concurrency 64
+        # (larger random pair) the wave steps (56 prompts, 1754 tokens) sat in batch 64's curve above its decode
+        # sizes (64-188 tokens), so 576 decode tokens were interpolated cheap: the configured depth for everyone
+        # was explored, 5.2 s against 0.5 s for a plain step.
+        if s.num_seqs > 0 and not s.prefill_tokens:
             self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(s.verify_tokens, s.verify_s)
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:

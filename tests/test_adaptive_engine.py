@@ -148,7 +148,7 @@ def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, m
     submit = engine.executor.submit_draft
     monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
     speculate = {"on": False}
-    monkeypatch.setattr(policy, "plan", lambda reqs: [
+    monkeypatch.setattr(policy, "plan", lambda reqs, prefill=False: [
         (1,) * min(K, policy.base.cap(r)) if speculate["on"] else () for r in reqs])
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     plain = [o.token_ids for o in llm.generate(PROMPTS, greedy)]

@@ -684,6 +684,20 @@ def _step(seqs: int, depth: int, verify_ms, draft_ms) -> StepSample:
     return StepSample(tokens, verify_ms(tokens, seqs) * MS, fwd, d, False, seqs, 0.0, draft_worker_s=d)
 
 
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_step_that_also_prefilled_does_not_make_large_decode_sizes_look_cheap(marked: bool) -> None:
+    """Batch 64's decode steps cost 4 ms a token (64, 128, 192 tokens); a step that also prefilled 56 prompts
+    forwarded 1800 tokens in 1.5 s (a prompt's tokens are cheap per token). 576 decode tokens must be priced
+    near the decode steps' line (~2.3 s), not between 192 and the prefill step's point (~0.9 s). The control
+    (the step's prompt tokens not reported) makes them look cheap."""
+    cost = CostModel()
+    for _ in range(3):
+        for tokens in (64, 128, 192):
+            cost.observe(StepSample(tokens, 4 * MS * tokens, [], 0.0, False, 64, 0.0))
+        cost.observe(StepSample(1800, 1.5, [], 0.0, True, 64, 0.0, prefill_tokens=1736 if marked else 0))
+    assert (cost.verify_seconds(576, 64) > 2.0) == marked, cost.verify_seconds(576, 64)
+
+
 def test_the_verify_is_priced_at_the_batchs_sequence_count() -> None:
     """32 tokens cost more as 32 sequences x 1 than as 8 x 4 (measured: 33.4 vs 23.8 ms CPU, greedy; the costs
     here exaggerate it). With one curve over
