@@ -1,7 +1,9 @@
 """Batch 1 on the built-in pair, a fresh engine (diagnostic): per request in turn, tokens per CPU-second, the depths
 the policy chose, the regime's engine-wide rates and the request prior weight.
 
-Environment: T (0.8), PASSES (2), K ("ad": adaptive with K_max 8; or a fixed depth). Usage (repository root):
+Environment: T (0.8), PASSES (2), K ("ad": adaptive with K_max 8; or a fixed depth), PRICES (1: the
+policy's predicted tokens, seconds and rate of each uniform depth from the engine-wide rates, per request).
+Usage (repository root):
     SPECSERVE_CACHE_DIR=$(mktemp -d) python engine/benchmarks/results/adaptive-2026-12-02g/b1diag.py
 """
 
@@ -42,6 +44,15 @@ for p in range(PASSES):
         if hasattr(pol, "acceptance"):
             rates = [round(x, 2) for x in pol.acceptance.engine_rates(T == 0, 8)]
             extra = f" engine rates {rates} prior weight {pol.acceptance.request_weight(T == 0):.1f}"
+            if os.environ.get("PRICES"):  # what the policy predicts for each uniform depth from these rates
+                from scheduler.adaptive import _Req
+
+                pol._cost = None
+                pol._pinned = []
+                view = _Req(0, T == 0, 8, 1, 1.0, pol.acceptance.engine_rates(T == 0, 8))
+                plans = [pol.price([view], [(1,) * d]) for d in range(9)]
+                extra += " predicted " + " ".join(f"{d}:{pl.tokens:.2f}/{1000 * pl.seconds:.1f}ms={pl.rate:.0f}"
+                                                  for d, pl in enumerate(plans))
         print(f"pass {p} req {i}: {len(out.token_ids) / dt:6.1f} tok/cpu-s acc.len {s['mean_acceptance_length']:.2f}"
               f" depths {s['chosen_depths']}{extra}", flush=True)
     print(f"pass {p}: {total_n / total_s:.1f} tok/cpu-s", flush=True)
