@@ -327,8 +327,15 @@ class AdaptivePolicy(Exploration):
         plain_rate = base.tokens / self._prefix_seconds(base)
         best_rate, best_cut = plain_rate, []
         deepest = max((j for _, j, _ in cands), default=-1) + 1
+        priced: list[tuple[float, int, int]] | None = None  # a cut whose every prefix was priced (stride 1)
         for cap in range(deepest, 0, -1):
             cut = [c for c in cands if c[1] < cap] if cap < deepest else cands
+            if priced is not None and self._is_prefix(cut, priced):
+                # Its prefixes were all priced, at the same sums in the same order: it cannot beat the best
+                # so far. At batch 1 every cap's cut is a prefix of the deepest one (a chain's values fall with
+                # depth), and pricing each again was 36 prices a step instead of 8.
+                continue
+            priced = cut if len(cut) <= self._PRICES_PER_CAP else None
             n, rate = self._best_prefix(rs, cut, base)
             if n and rate > best_rate:
                 best_rate, best_cut = rate, cut[:n]
@@ -338,6 +345,12 @@ class AdaptivePolicy(Exploration):
         for _, j, i in best_cut:
             depths[i] = max(depths[i], j + 1)
         return self.price(rs, [(1,) * d for d in depths])
+
+    _PRICES_PER_CAP = 16  # ``_best_prefix`` prices about this many prefixes of a cut (of a shorter one, all)
+
+    @staticmethod
+    def _is_prefix(cut: list[tuple[float, int, int]], of: list[tuple[float, int, int]]) -> bool:
+        return len(cut) <= len(of) and of[:len(cut)] == cut
 
     def _prefix_seconds(self, p: _Prefix) -> float:
         return self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards) + p.fixed_s
@@ -363,7 +376,7 @@ class AdaptivePolicy(Exploration):
         best_n, best_rate = 0, 0.0
         reached = [0.0] * len(rs)  # value of each request's deepest candidate so far: P(its chain all accepted)
         # Price every prefix in small batches, at most ~16 prices a cap whatever the batch size.
-        stride = max(1, -(-len(cands) // 16))
+        stride = max(1, -(-len(cands) // self._PRICES_PER_CAP))
         for n, (neg_value, j, i) in enumerate(cands, start=1):
             tokens -= neg_value
             verify += 1

@@ -864,3 +864,34 @@ def test_a_dear_plan_predicted_far_slower_is_not_explored(floor: float) -> None:
         p.observe_step(StepSample(t, verify(t), fwd, 0.002 * sum(fwd), False, 32, 0.0))
     assert depths.count(1) > 250 and 0 in depths, depths
     assert (K_MAX in depths) == (floor == 0), depths
+
+
+def test_caps_whose_prefixes_were_all_priced_are_not_priced_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same chains as pricing every cap (brute force), on random costs and histories; at batch 1 one pass."""
+    rng = random.Random(7)
+    cases = []
+    for _ in range(40):
+        slope, flat, draft = rng.uniform(0.0, 1.5), rng.uniform(1, 20), rng.uniform(0.05, 3)
+        p = policy(costs(verify=lambda n, s=slope, f=flat: f * MS + s * MS * n, draft=lambda n, d=draft: d * MS))
+        reqs = requests(rng.choice([1, 1, 2, 3, 5]))
+        for r in reqs:
+            teach(p, r, rng.uniform(0.3, 0.98), seed=rng.randrange(10**6))
+        cases.append((p, reqs))
+    calls = []
+    real = AdaptivePolicy._best_prefix
+    monkeypatch.setattr(AdaptivePolicy, "_best_prefix", lambda self, *a: calls.append(1) or real(self, *a))
+    fast = []
+    for p, reqs in cases:
+        calls.clear()
+        p._cost, p._pinned = p.cost, []
+        views = [p._view(r, p.acceptance.engine_rates(True, K_MAX)) for r in reqs]
+        fast.append((p.best_chains(views), len(calls), len(views)))
+    monkeypatch.setattr(AdaptivePolicy, "_is_prefix", staticmethod(lambda cut, of: False))
+    for (p, reqs), (plan, n_calls, batch) in zip(cases, fast, strict=True):
+        views = [p._view(r, p.acceptance.engine_rates(True, K_MAX)) for r in reqs]
+        calls.clear()
+        brute = p.best_chains(views)
+        assert (plan.shapes, plan.tokens, plan.seconds) == (brute.shapes, brute.tokens, brute.seconds)
+        if batch == 1:
+            assert (n_calls, len(calls)) == (1, K_MAX)
+    assert any(any(plan.shapes) for plan, _, _ in fast) and any(not any(plan.shapes) for plan, _, _ in fast)
