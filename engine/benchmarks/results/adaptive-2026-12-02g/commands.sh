@@ -3,7 +3,8 @@ set -ex
 export OMP_NUM_THREADS=1
 R=engine/benchmarks/results/adaptive-2026-12-02g
 python -c "from engine.benchmarks.random_pair import make_random_pair; make_random_pair('runs/random-pair', 1024, 12, 32000)"
-# Built-in pair, batch 1, after 669502b: builtin-b1-idle.txt (and at 6b29b15: builtin-b1-head.txt).
+# Built-in pair, batch 1, after 669502b: builtin-b1-idle.txt; at 6b29b15: builtin-b1-head{,-2,-3}.txt; at d12c5e6:
+# builtin-b1-after-prefix-skip{,-2,-3}.txt (the same command, run three times).
 SPECSERVE_CACHE_DIR=$(mktemp -d) specserve bench compare --num-prompts 8 --max-tokens 128 --batches 1 --temperatures 0,0.8 --unseeded --repeats 3 --skip-hf --skip-floor --modes specserve_chain,specserve_adaptive --k 4 --fixed-ks 2,6,8 --threads 1 > $R/builtin-b1-head.txt
 # Batch 1 per request on a fresh engine (the diagnostic that found the stuck engine-wide depth rates).
 SPECSERVE_CACHE_DIR=$(mktemp -d) python $R/b1diag.py
