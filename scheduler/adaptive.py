@@ -118,6 +118,7 @@ class AdaptivePolicy(Exploration):
     _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
+    _context: float | None = None  # this step's context (its requests' tokens so far, summed; set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
@@ -168,6 +169,7 @@ class AdaptivePolicy(Exploration):
         views = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: v.cap] for v in views]
         self._cost = self._regime_cost(views)
+        self._context = sum(r.num_tokens for r in reqs)  # every plan's: the verify curves price at it
         pin = self._pins(reqs)
         self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
         rs = [v for v, p in zip(views, pin, strict=True) if not p]
@@ -295,7 +297,7 @@ class AdaptivePolicy(Exploration):
             tokens += t
             verify += v
             _add(forwards, fw)
-        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs)))
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs), self._context))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
         """The best chains: for each depth cap D (1 .. K_max), the best prefix of the candidates no deeper than D
@@ -353,7 +355,8 @@ class AdaptivePolicy(Exploration):
         return len(cut) <= len(of) and of[:len(cut)] == cut
 
     def _prefix_seconds(self, p: _Prefix) -> float:
-        return self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards) + p.fixed_s
+        return (self._cost.verify_seconds(p.verify, p.nseqs, self._context) + self._cost.draft_seconds(p.forwards)
+                + p.fixed_s)
 
     def _best_prefix(self, rs: Sequence[_Req], cands: list[tuple[float, int, int]], base: _Prefix
                      ) -> tuple[int, float]:
@@ -395,7 +398,7 @@ class AdaptivePolicy(Exploration):
             dirty.add(j)
             if n % stride and n != len(cands):
                 continue
-            rate = tokens / (self._cost.verify_seconds(verify, base.nseqs) + draft_s() + base.fixed_s)
+            rate = tokens / (self._cost.verify_seconds(verify, base.nseqs, self._context) + draft_s() + base.fixed_s)
             # No early stop when the rate falls: the first candidates pay the draft call's fixed part and a whole
             # forward, so the rate can dip and recover (at batch 32, T = 0.8, a stop at 0.8x the plain rate left
             # the plan to the previous step's chains of 3, which re-priced better than plain decode).
@@ -431,7 +434,7 @@ class AdaptivePolicy(Exploration):
         for _, _, fw in parts:
             _add(forwards, fw)
         nseqs = len(rs) + len(self._pinned)
-        seconds = self._cost.step_seconds(verify, forwards, nseqs)
+        seconds = self._cost.step_seconds(verify, forwards, nseqs, self._context)
         options = []  # (-gain per extra target token, request index, shape, its round)
         for i, r in enumerate(rs):
             t = tree[: r.cap]
@@ -449,7 +452,7 @@ class AdaptivePolicy(Exploration):
             _add(fw, t_fwd)
             ver = verify - c_ver + t_ver
             tok = tokens - c_tok + t_tok
-            sec = self._cost.step_seconds(ver, fw, nseqs)
+            sec = self._cost.step_seconds(ver, fw, nseqs, self._context)
             if sec > 0 and seconds > 0 and tok / sec > tokens / seconds:
                 shapes[i], parts[i] = t, (t_tok, t_ver, t_fwd)
                 tokens, verify, forwards, seconds, changed = tok, ver, fw, sec, True
