@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from scheduler.spec_policy import branching_nodes
 
 if TYPE_CHECKING:
-    from scheduler.adaptive import _Plan, _Req
     from scheduler.cost_model import CostModel
+    from scheduler.plan_search import _Plan, _Req
     from scheduler.spec_policy import SpecPolicy
 
 
