@@ -382,6 +382,24 @@ def test_acceptance_counts_per_position() -> None:
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
 
 
+def test_a_regime_whose_only_rounds_ran_the_tree_prices_chains_from_them() -> None:
+    """The sampled regime's first rounds ran the configured tree ([2, 1, 1, 1], pinned), accepting ~0.9 a level;
+    no chain round yet. The chains are priced from those rounds, not DEFAULT_RATE (0.7): a policy whose chains
+    looked 0.7 a position decoded plainly and never ran the chain rounds that would have measured them (at batch
+    1, T = 0.8, built-in pair, half the fresh engines, ~95 % of their rounds). The tree keeps its own rates."""
+    t = AcceptanceTracker()
+    rng = random.Random(0)
+    for _ in range(20):
+        a = 0
+        while a < 4 and rng.random() < 0.9:
+            a += 1
+        t.observe(0, False, True, 4, a)
+    chain = t.engine_rates(False, 4)
+    assert min(chain) > 0.8, chain
+    assert t.rates(1, False, 4) == chain  # a new request's chain prior
+    assert t.engine_rates(False, 4, (2, 1, 1, 1)) == pytest.approx(chain, abs=0.05)
+
+
 def test_batch_size_schedule() -> None:
     p = BatchSizeSchedule(TreeShape.chain(4), 100_000, 100_000, ((1, 4), (4, 2), (16, 0)))
     assert [p.depth_for_batch(b) for b in (1, 3, 4, 15, 16, 64)] == [4, 4, 2, 2, 0, 0]
