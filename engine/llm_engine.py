@@ -348,8 +348,7 @@ class LLMEngine:
                 level *= w
                 verify += level
         return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
-                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill,
-                          context_tokens=sum(r.num_tokens for r in batch.rounds))
+                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill)
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables

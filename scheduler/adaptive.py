@@ -58,7 +58,6 @@ class AdaptivePolicy(PlanSearch, Exploration):
     _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
     _cost: CostModel | None = None  # the curves of this step's regime (set by ``plan``)
-    _context: float | None = None  # this step's context (its requests' tokens so far, summed; set by ``plan``)
     _pinned: list[tuple[_Req, tuple[int, ...]]] = field(default_factory=list)  # this step's fixed-shape rounds
 
     # --------------------------------------------------------------------------------- SpecPolicy interface
@@ -109,7 +108,6 @@ class AdaptivePolicy(PlanSearch, Exploration):
         views = [self._view(r, priors[r.params.greedy]) for r in reqs]
         fixed = [self.base.tree.branching[: v.cap] for v in views]
         self._cost = self._regime_cost(views)
-        self._context = sum(r.num_tokens for r in reqs)  # every plan's: the verify curves price at it
         pin = self._pins(reqs)
         self._pinned = [(v, f) for v, f, p in zip(views, fixed, pin, strict=True) if p]
         rs = [v for v, p in zip(views, pin, strict=True) if not p]

@@ -11,9 +11,7 @@ way). Each part is a measured curve, not an assumed formula:
   batch of 32 was priced from a batch of 8's cheaper 32-token steps. So each
   log2 bucket of the sequence count keeps its own curve (``verify_by_seqs``): a plan, whose sequences are the
   batch's at every depth, is priced on its batch's curve, and past that curve's measured sizes on the shape of
-  the all-steps curve, scaled to meet it. A batch's price also grows with the context its sequences attend to
-  (every step adds to it): each batch-size curve learns seconds per context token and prices its points at the
-  context of the step planned (``Curve.context_slope``);
+  the all-steps curve, scaled to meet it;
 - ``draft``: seconds of one draft forward (with the sampling of the level it feeds) vs the tokens it carries,
   each forward as the draft worker timed it; a round of depth D costs D forwards, the f-th one over the
   requests still deeper than f (a chain of K forwards its in-flight tokens, then levels 1..K-1; the deepest
@@ -46,7 +44,6 @@ class _Point:
     # Re-measurements after a gap (explorations) in a row that found the bucket where it was: the policy spaces
     # its explorations of a size further apart the more often it found nothing new there.
     confirms: int = 0
-    c: float | None = None  # weighted mean context (KV tokens the steps' attention read); None: not known
 
 
 @dataclass
@@ -58,22 +55,13 @@ class Curve:
     confirm_tol: float = 0.15  # a re-measurement within this (relative) of the bucket's value confirms it
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
-    # Seconds per context token (``context_slope``), learned from re-measurements of a bucket at another context
-    # than its point's: EW means of (context - point's) x (seconds - point's) and of its square, this weight each.
-    ctx_decay: float = 0.05
-    ctx_min_samples: int = 8
-    _ctx_xy: float = 0.0
-    _ctx_xx: float = 0.0
-    _ctx_n: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)  # points by x
-    _sorted_at: float | None = None  # the context ``_sorted`` was adjusted to
 
     @staticmethod
     def bucket(x: float) -> int:
         return 0 if x <= 1 else round(math.log2(x))  # octaves: finer buckets only measure noise more often
 
-    def observe(self, x: float, seconds: float, context: float | None = None) -> None:
-        """One measurement: ``seconds`` at size ``x``, with ``context`` tokens of KV read (None: not known)."""
+    def observe(self, x: float, seconds: float) -> None:
         if x <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         self.clock += 1
@@ -81,41 +69,17 @@ class Curve:
         b = self.bucket(x)
         p = self.points.get(b)
         if p is None:
-            self.points[b] = _Point(float(x), seconds, self.clock, c=None if context is None else float(context))
+            self.points[b] = _Point(float(x), seconds, self.clock)
             return
-        shift = 0.0  # what the context moved this bucket's price since its point
-        if context is not None and p.c is not None:
-            shift = self.context_slope * (context - p.c)
-            if abs(x - p.x) <= 0.1 * p.x:  # the same size at another context: a sample of the slope
-                dc, dy = context - p.c, seconds - p.y
-                self._ctx_xy += self.ctx_decay * (dc * dy - self._ctx_xy)
-                self._ctx_xx += self.ctx_decay * (dc * dc - self._ctx_xx)
-                self._ctx_n += 1
         if self.clock - p.step > 1:  # measured again after a gap: did it find the value where it was?
-            p.confirms = p.confirms + 1 if abs(seconds - p.y - shift) <= self.confirm_tol * p.y else 0
+            p.confirms = p.confirms + 1 if abs(seconds - p.y) <= self.confirm_tol * p.y else 0
         # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
         # after a long gap (an exploration step) moves most of the way to the new value instead of nudging it;
         # but never all the way, so one step that another process slowed down 3x does not become the curve.
         a = min(self.max_jump, 1.0 - (1.0 - self.decay) ** (self.clock - p.step))
         p.x += a * (x - p.x)
         p.y += a * (seconds - p.y)
-        if context is not None:  # the point stays the weighted mean of its (size, context, seconds)
-            p.c = float(context) if p.c is None else p.c + a * (context - p.c)
         p.step = self.clock
-
-    @property
-    def context_slope(self) -> float:
-        """Seconds per token of context (KV the attention reads), >= 0; 0 until ``ctx_min_samples`` samples.
-
-        Why: the target's step cost grows with the context its sequences attend to, and a batch's context grows
-        every step. At concurrency 32 (larger random pair, CPU, waves of 48-token requests) a plain step rose from
-        0.21 s to 0.25 s over a wave. The plain point, re-measured every step, was the end of the last wave's
-        price; the chains' point, measured at the start of a wave: at the start of the next one plain decode was
-        priced 16 % dear against the chains, and 32 requests ran chains of 1 for 14 steps predicted 5 % faster,
-        ~9 % slower. Points are compared at the context of the step priced instead."""
-        if self._ctx_n < self.ctx_min_samples or self._ctx_xx <= 0:
-            return 0.0
-        return max(0.0, self._ctx_xy / self._ctx_xx)
 
     def age(self, x: float) -> int | None:
         """Observations since the bucket of ``x`` was last measured; None if never."""
@@ -126,7 +90,7 @@ class Curve:
     def ready(self) -> bool:
         return bool(self.points)
 
-    def scaled(self, x: float, shape: Curve, context: float | None = None) -> float:
+    def scaled(self, x: float, shape: Curve) -> float:
         """Predicted seconds at ``x``: this curve within its measured sizes; beyond them ``shape`` (a curve with
         more sizes), scaled to meet this one at its nearest measured end, and past its largest size never below
         this curve's own extrapolation (the slope of its last two sizes) where it has two.
@@ -134,28 +98,23 @@ class Curve:
         Why the floor: the shape's curve mixes other batch sizes and prompt chunks (one sequence's many tokens are
         cheaper per token than many sequences' few). At batch 64 (larger random pair, CPU) the verify of 576
         tokens was priced ~1.5 s from that shape, where this batch size's own 64- and 128-token steps rose
-        linearly and the step took ~5 s. ``context``: as ``__call__`` (this curve's only: the shape is a ratio)."""
+        linearly and the step took ~5 s."""
         xs = [p.x for p in self.points.values()]
         lo, hi = min(xs), max(xs)
         end = lo if x < lo else hi if x > hi else None
         if end is None:
-            return self(x, context)
+            return self(x)
         ref = shape(end)
-        out = self(end, context) * shape(x) / ref if ref > 0 else self(x, context)
-        return max(out, self(x, context)) if x > hi and len(xs) >= 2 else out
+        out = self(end) * shape(x) / ref if ref > 0 else self(x)
+        return max(out, self(x)) if x > hi and len(xs) >= 2 else out
 
-    def __call__(self, x: float, context: float | None = None) -> float:
-        """Predicted seconds at ``x`` (0 for x <= 0); with ``context``, each point moved to that context along
-        ``context_slope`` (a point of unknown context as it is)."""
+    def __call__(self, x: float) -> float:
+        """Predicted seconds at ``x`` (0 for x <= 0)."""
         if x <= 0 or not self.points:
             return 0.0
-        slope = self.context_slope if context is not None else 0.0
-        at = context if slope > 0 else None
-        if self._sorted is None or self._sorted_at != at:
-            pts = sorted((p.x, p.y + (slope * (at - p.c) if at is not None and p.c is not None else 0.0))
-                         for p in self.points.values())
-            self._sorted = ([p[0] for p in pts], monotone([max(0.0, p[1]) for p in pts]))
-            self._sorted_at = at
+        if self._sorted is None:
+            pts = sorted((p.x, p.y) for p in self.points.values())
+            self._sorted = ([p[0] for p in pts], monotone([p[1] for p in pts]))
         xs, ys = self._sorted
         if len(xs) == 1:
             return ys[0] * max(1.0, x / xs[0])  # one point: flat below, proportional above
@@ -201,7 +160,6 @@ class StepSample:
     # draft_s is the call's fixed part.
     draft_forward_s: list[float] | None = None
     prefill_tokens: int = 0  # of verify_tokens, the prompt chunks'
-    context_tokens: int = 0  # the decode rounds' context (their tokens so far, summed); 0: not known
 
 
 class VerifyRecord(NamedTuple):
@@ -234,8 +192,7 @@ class CostModel:
         # sizes (64-188 tokens), so 576 decode tokens were interpolated cheap: the configured depth for everyone
         # was explored, 5.2 s against 0.5 s for a plain step.
         if s.num_seqs > 0 and not s.prefill_tokens:
-            self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(
-                s.verify_tokens, s.verify_s, s.context_tokens or None)
+            self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(s.verify_tokens, s.verify_s)
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:
             if s.draft_forward_s is not None and len(s.draft_forward_s) == len(fwd):
@@ -253,12 +210,11 @@ class CostModel:
                     self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
         self.state.observe(s.num_seqs, s.state_s)
 
-    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[float], num_seqs: int,
-                     context: float | None = None) -> float:
-        return (self.verify_seconds(verify_tokens, num_seqs, context) + self.draft_seconds(draft_forward_tokens)
+    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[float], num_seqs: int) -> float:
+        return (self.verify_seconds(verify_tokens, num_seqs) + self.draft_seconds(draft_forward_tokens)
                 + self.state(num_seqs))
 
-    def verify_seconds(self, verify_tokens: float, num_seqs: int, context: float | None = None) -> float:
+    def verify_seconds(self, verify_tokens: float, num_seqs: int) -> float:
         """The target call forwarding these tokens for this many sequences: the curve of steps with about as many
         sequences where it has measured any (past its sizes, with the shape of the fallback's curve of that batch
         size, or of the all-steps curve); else the fallback's curve of that batch size, times this regime's cost
@@ -267,10 +223,7 @@ class CostModel:
         Sampled steps have their own curves (laws travel, residuals are sampled), but the start-up profiling
         measures them at a few batch sizes only. At batch 32 (larger random pair, T = 0.8) the plain step was
         priced from batch-16 steps of 2 tokens each (cheaper per token than 32 x 1), and the policy ran chains of
-        2 at 0.49 s a step where plain decode took 0.2 s; the greedy curve of batch 32 had measured it.
-
-        ``context``: the step's (its rounds' tokens so far, summed), at which a batch size's curve prices its
-        points (``Curve.context_slope``); None: as measured."""
+        2 at 0.49 s a step where plain decode took 0.2 s; the greedy curve of batch 32 had measured it."""
         if verify_tokens <= 0:
             return self.verify(verify_tokens)
         b = Curve.bucket(num_seqs)
@@ -278,12 +231,12 @@ class CostModel:
         g = self.fallback.verify_by_seqs.get(b) if self.fallback is not None else None
         g = g if g is not None and g.points else None
         if c is not None and c.points:
-            return c.scaled(verify_tokens, g if g is not None and len(g.points) >= 2 else self.verify, context)
+            return c.scaled(verify_tokens, g if g is not None and len(g.points) >= 2 else self.verify)
         if g is not None:
             own, other = self.verify(verify_tokens), self.fallback.verify(verify_tokens)
             # A sampled step never costs less than the greedy one of the same size (the ratio of the all-steps
             # curves mixes batch sizes: it can fall below 1 when the greedy steps ran larger batches).
-            return g(verify_tokens, context) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
+            return g(verify_tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
         return self.verify(verify_tokens)
 
     def knows_batch_size(self, num_seqs: int) -> bool:
@@ -328,23 +281,19 @@ class CostModel:
 
 def curve_to_dict(c: Curve) -> dict:
     """A curve's measured points (JSON-safe); ``curve_from_dict`` reads them back with fresh step counts."""
-    return {"points": [[b, p.x, p.y, p.confirms, p.c] for b, p in sorted(c.points.items())]}
+    return {"points": [[b, p.x, p.y, p.confirms] for b, p in sorted(c.points.items())]}
 
 
 def curve_from_dict(d: dict) -> Curve:
     """The inverse of ``curve_to_dict``; ValueError on anything that is not a list of finite, non-negative
-    points (the file it came from is an input like any other). A point's context is optional (files written
-    before it was kept have none: such a point is priced as measured)."""
+    points (the file it came from is an input like any other)."""
     c = Curve()
     for row in d["points"]:
-        if not isinstance(row, list) or len(row) not in (4, 5):
-            raise ValueError(f"not a cost-curve point: {row!r}")
-        b, x, y, confirms, ctx = row if len(row) == 5 else [*row, None]
+        b, x, y, confirms = row
         if not (isinstance(b, int) and isinstance(confirms, int) and all(isinstance(v, (int, float)) for v in (x, y))
-                and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == Curve.bucket(x)
-                and (ctx is None or (isinstance(ctx, (int, float)) and math.isfinite(ctx) and ctx >= 0))):
+                and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == Curve.bucket(x)):
             raise ValueError(f"not a cost-curve point: {row!r}")
-        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms), None if ctx is None else float(ctx))
+        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms))
     return c
 
 

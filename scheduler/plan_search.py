@@ -11,7 +11,7 @@ rounds measure more tokens than its chain takes the tree where that raises the s
 the tree is priced too); a tree is chosen only where its measured acceptance pays for its extra nodes.
 
 ``PlanSearch`` is the policy's base class (scheduler/adaptive.py): its settings are the policy's keyword fields,
-and it prices with the policy's curves of this step's regime, its context and its pinned rounds.
+and it prices with the policy's curves of this step's regime and its pinned rounds.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class PlanSearch:
         base: SpecPolicy
         acceptance: AcceptanceTracker
         _cost: CostModel | None
-        _context: float | None
         _pinned: list[tuple[_Req, tuple[int, ...]]]
 
         def _regime_cost(self, rs: Sequence[_Req]) -> CostModel: ...
@@ -127,7 +126,7 @@ class PlanSearch:
             tokens += t
             verify += v
             _add(forwards, fw)
-        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs), self._context))
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs)))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
         """The best chains: for each depth cap D (1 .. K_max), the best prefix of the candidates no deeper than D
@@ -185,7 +184,7 @@ class PlanSearch:
         return len(cut) <= len(of) and of[:len(cut)] == cut
 
     def _prefix_seconds(self, p: _Prefix) -> float:
-        return (self._cost.verify_seconds(p.verify, p.nseqs, self._context) + self._cost.draft_seconds(p.forwards)
+        return (self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards)
                 + p.fixed_s)
 
     def _best_prefix(self, rs: Sequence[_Req], cands: list[tuple[float, int, int]], base: _Prefix
@@ -228,7 +227,7 @@ class PlanSearch:
             dirty.add(j)
             if n % stride and n != len(cands):
                 continue
-            rate = tokens / (self._cost.verify_seconds(verify, base.nseqs, self._context) + draft_s() + base.fixed_s)
+            rate = tokens / (self._cost.verify_seconds(verify, base.nseqs) + draft_s() + base.fixed_s)
             # No early stop when the rate falls: the first candidates pay the draft call's fixed part and a whole
             # forward, so the rate can dip and recover (at batch 32, T = 0.8, a stop at 0.8x the plain rate left
             # the plan to the previous step's chains of 3, which re-priced better than plain decode).
@@ -264,7 +263,7 @@ class PlanSearch:
         for _, _, fw in parts:
             _add(forwards, fw)
         nseqs = len(rs) + len(self._pinned)
-        seconds = self._cost.step_seconds(verify, forwards, nseqs, self._context)
+        seconds = self._cost.step_seconds(verify, forwards, nseqs)
         options = []  # (-gain per extra target token, request index, shape, its round)
         for i, r in enumerate(rs):
             t = tree[: r.cap]
@@ -282,7 +281,7 @@ class PlanSearch:
             _add(fw, t_fwd)
             ver = verify - c_ver + t_ver
             tok = tokens - c_tok + t_tok
-            sec = self._cost.step_seconds(ver, fw, nseqs, self._context)
+            sec = self._cost.step_seconds(ver, fw, nseqs)
             if sec > 0 and seconds > 0 and tok / sec > tokens / seconds:
                 shapes[i], parts[i] = t, (t_tok, t_ver, t_fwd)
                 tokens, verify, forwards, seconds, changed = tok, ver, fw, sec, True

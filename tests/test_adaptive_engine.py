@@ -271,14 +271,7 @@ def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
     for x in (1, 3, 50, 300):
         assert back.verify_seconds(x, 4) == m.verify_seconds(x, 4)
         assert back.draft_seconds([x, x]) == m.draft_seconds([x, x])
-    ctx = m.verify_by_seqs[3] = Curve()  # points with the context they were measured at, and its slope
-    for i in range(20):
-        ctx.observe(32, 0.2 + 1e-5 * 32 * i, 1000 + 32 * i)
-    back = cost_model_from_dict(json.loads(json.dumps(cost_model_to_dict(m))))
-    assert [p.c for p in back.verify_by_seqs[3].points.values()] == [p.c for p in ctx.points.values()]
-    assert curve_from_dict({"points": [[5, 32.0, 0.2, 0]]}).points[5].c is None  # a file from before contexts
     for bad in ([[3, 1.0, 0.5, 0]],  # the point is not in its bucket
-                [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]],
-                [[0, 1.0, 0.5, 0, -5.0]], [[0, 1.0, 0.5, 0, "5"]], [[0, 1.0, 0.5]], [[0, 1.0, 0.5, 0, 1.0, 2]]):
+                [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]]):
         with pytest.raises(ValueError):
             curve_from_dict({"points": bad})

@@ -716,36 +716,6 @@ def test_a_step_that_also_prefilled_does_not_make_large_decode_sizes_look_cheap(
     assert (cost.verify_seconds(576, 64) > 2.0) == marked, cost.verify_seconds(576, 64)
 
 
-@pytest.mark.parametrize("reported", [True, False])
-def test_plain_decode_is_priced_at_the_contexts_of_the_step_planned(reported: bool) -> None:
-    """A batch of 32 whose step costs 28 us more per token of context (as measured on the larger random pair:
-    0.21 s at a wave's start, 0.25 s at its end). Chains of 1 (64 tokens) were measured at a wave's start, plain
-    decode every step since, up to the wave's end. At the next wave's start plain decode is the faster plan
-    (32 tokens in 0.21 s against ~60 in 0.42 s); priced at the context its point was measured at (the control:
-    the steps report no context), plain decode looks 17 % dearer and every request runs a chain."""
-    def verify_s(tokens: int, context: int) -> float:
-        return 0.0536 + 0.0048 * tokens + 2.8e-5 * (context - 832)
-
-    def step(tokens: int, context: int, fwd: list[int]) -> StepSample:
-        d = 0.06 * len(fwd)
-        return StepSample(tokens, verify_s(tokens, context), fwd, d, False, 32, 0.0, draft_forward_s=[0.06] * len(fwd),
-                          context_tokens=context if reported else 0)
-
-    cost = CostModel()
-    for _wave in range(2):
-        for depth in (1, 2, 4, 8):  # a wave's start (32 requests of 26 tokens): chains of 1, 2, 4 and 8
-            cost.observe(step(32 * (depth + 1), 832, [58] + [32] * (depth - 1)))
-        for i in range(48):  # then plain decode to the wave's end
-            cost.observe(step(32, 832 + 32 * i, []))
-    p = policy(cost)
-    reqs = requests(32)  # 26 tokens each: the next wave's start
-    for r in reqs:
-        teach(p, r, 0.9, seed=r.seq_id)
-    assert cost.verify_seconds(32, 32, 832) == pytest.approx(0.207 if reported else 0.243, rel=0.03)
-    shapes = p.plan(reqs)
-    assert not any(shapes) if reported else all(shapes), shapes
-
-
 def test_the_verify_is_priced_at_the_batchs_sequence_count() -> None:
     """32 tokens cost more as 32 sequences x 1 than as 8 x 4 (measured: 33.4 vs 23.8 ms CPU, greedy; the costs
     here exaggerate it). With one curve over

@@ -26,13 +26,12 @@ if os.environ.get("SPECSERVE_TRACE_FILE"):
         if any(best.shapes):
             plain = self.price(rs, [()] * len(rs))
             inflight = sum(r.inflight for r in rs)
-            ctx = getattr(self, "_context", None)
-            v_spec = self._cost.verify_seconds(inflight + sum(map(len, best.shapes)), len(rs), ctx)
-            v_plain = self._cost.verify_seconds(inflight, len(rs), ctx)
+            v_spec = self._cost.verify_seconds(inflight + sum(map(len, best.shapes)), len(rs))
+            v_plain = self._cost.verify_seconds(inflight, len(rs))
             _last["pred"] = (f"PRED chains {best.tokens:.1f}/{best.seconds:.3f} plain {plain.tokens:.1f}/"
                              f"{plain.seconds:.3f} v_spec {v_spec:.3f} v_plain {v_plain:.3f} "
                              f"lag {sum(r.lag for r in rs):.1f} catchup {sum(r.catchup for r in rs)} "
-                             f"rates0 {sum(r.rates[0] for r in rs) / len(rs):.3f}")
+                             f"rates0 {sum(r.rates[0] for r in rs if r.rates) / len(rs):.3f}")
         return best
 
     def observe_step(self, s):
