@@ -183,22 +183,22 @@ class AcceptanceTracker:
         # A position's prior is the rate of the one above it (DEFAULT_RATE at the first): a depth the policy has
         # not tried yet looks like the deepest one it has measured. A fixed prior below the measured rates
         # would keep a policy that stopped at depth d from ever trying d + 1 (its rounds never reach it), and
-        # one above them would keep it too deep.
-        rates: list[float] = []  # the chain's, from chain rounds alone: the tree's prior
-        informed: list[float] = []  # the chain's, where no chain round has tried a position but tree rounds have
+        # one above them would keep it too deep. For the chains' own prices, a position no chain round has tried
+        # but tree rounds have takes the tree rounds' rate there (``informed``; the tree's prior is the chain's from
+        # chain rounds alone). A level of w siblings accepts at least as often as one candidate, so this errs
+        # towards trying the chain, whose rounds then measure it; DEFAULT_RATE instead kept a policy whose only
+        # rounds of a regime were the configured tree's (its pinned first rounds) from ever running chains: at
+        # batch 1, T = 0.8, built-in pair, tree [2, 1 x 7], half the fresh engines decoded plainly for ~95 % of
+        # their rounds (the chains priced at 0.7 a position, really ~0.8).
+        informed = widths is None
+        rates: list[float] = []
         for j in range(depth):
-            rates.append(chain.rate(j, rates[-1] if rates else DEFAULT_RATE, self.prior_weight))
-            above = informed[-1] if informed else DEFAULT_RATE
-            # ... the tree rounds' rate there. A level of w siblings accepts at least as often as one candidate,
-            # so this errs towards trying the chain, whose rounds then measure it; DEFAULT_RATE instead kept a
-            # policy whose only rounds of a regime were the configured tree's (its pinned first rounds) from ever
-            # running chains: at batch 1, T = 0.8, built-in pair, tree [2, 1 x 7], half the fresh engines decoded
-            # plainly for ~95 % of their rounds (the chains priced at 0.7 a position, really ~0.8).
-            if tree.rounds(j) > 0:
+            above = rates[-1] if rates else DEFAULT_RATE
+            if informed and tree.rounds(j) > 0:
                 above = tree.rate(j, above, self.prior_weight)
-            informed.append(chain.rate(j, above, self.prior_weight))
-        if widths is None:
-            return informed
+            rates.append(chain.rate(j, above, self.prior_weight))
+        if informed:
+            return rates
         return [tree.rate(j, rates[j], self.prior_weight) for j in range(depth)]
 
     def rates(self, seq_id: int, greedy: bool, depth: int, widths: tuple[int, ...] | None = None,
