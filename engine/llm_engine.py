@@ -338,17 +338,21 @@ class LLMEngine:
         """Tokens of the step's target forward and of each draft forward (times filled in after the step)."""
         prefill = verify = sum(c.end - c.start for c in batch.prefills)
         forwards: list[int] = []
+        seqs: list[int] = []  # of each forward: the requests whose tree reaches past its level
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             level = 1
             verify += r.num_tokens - r.num_cached_target
-            for f, w in enumerate(shape):  # as scheduler/adaptive.py prices it
+            for f, w in enumerate(shape):  # as scheduler/plan_search.py prices it
                 if len(forwards) <= f:
                     forwards.append(0)
+                    seqs.append(0)
                 forwards[f] += max(1, r.num_tokens - r.num_cached_draft) if f == 0 else level
+                seqs[f] += 1
                 level *= w
                 verify += level
         return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
-                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill)
+                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill,
+                          draft_forward_seqs=seqs)
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables

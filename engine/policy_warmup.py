@@ -45,7 +45,7 @@ PROMPT_LEN = 8  # dummy prompt tokens: the decode costs being profiled hardly de
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves (their slope is measured by then)
 SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round
 ROUNDS = 4  # verify rounds per group: the first of each group prefills, the rest are what the curves keep
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the draft's curves per batch size
 CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (the machine's load, its updates, drift)
 _CODE_DIRS = ("engine", "scheduler", "workers")
 

@@ -15,7 +15,11 @@ way). Each part is a measured curve, not an assumed formula:
 - ``draft``: seconds of one draft forward (with the sampling of the level it feeds) vs the tokens it carries,
   each forward as the draft worker timed it; a round of depth D costs D forwards, the f-th one over the
   requests still deeper than f (a chain of K forwards its in-flight tokens, then levels 1..K-1; the deepest
-  level is never forwarded);
+  level is never forwarded). As for the target, the same tokens cost more over more sequences (each reads its
+  own context): at concurrency 64 (larger random pair) a first forward of 107 tokens over 64 sequences took
+  0.14-0.21 s and was priced 0.07 s from the start-up's 8 sequences x 13, so the first speculative bet of
+  each wave ran on. Each log2 bucket of a forward's sequence count keeps its own curve (``draft_by_seqs``),
+  and a count never measured is priced between its measured neighbours (``draft_forward``);
 - ``draft_call``: the draft call's fixed part (messaging, the worker's commit and layout, the controller's
   share) vs the requests drafted, paid
   once a step when anyone speculates. Charging it to the forwards instead (the call time / its forwards) makes a
@@ -159,6 +163,8 @@ class StepSample:
     # The worker's seconds of each forward (with the sampling it feeds), when it timed them apart; the rest of
     # draft_s is the call's fixed part.
     draft_forward_s: list[float] | None = None
+    # Sequences each draft forward carries (the requests still deeper than its level); None: not known.
+    draft_forward_seqs: list[int] | None = None
     prefill_tokens: int = 0  # of verify_tokens, the prompt chunks'
 
 
@@ -175,6 +181,7 @@ class CostModel:
     state: Curve = field(default_factory=Curve)
     draft_call: Curve = field(default_factory=Curve)  # the draft call's fixed part vs requests drafted
     verify_by_seqs: dict[int, Curve] = field(default_factory=dict)  # bucket(sequences) -> verify seconds vs tokens
+    draft_by_seqs: dict[int, Curve] = field(default_factory=dict)  # bucket(a forward's sequences) -> its seconds
     # Another regime's model (the sampled regime's: the greedy one), whose batch-size curves stand in where this
     # one's have not measured: see ``verify_seconds``.
     fallback: CostModel | None = field(default=None, repr=False)
@@ -200,8 +207,11 @@ class CostModel:
                 # At batch 1 the first forward (the in-flight tokens) took 3.2-3.9 ms and the one-token levels
                 # 2.4-2.9 (built-in draft): charged the call's mean at the mean size, a chain of 2's forwards were
                 # priced like a chain of 8's, though each cost more.
-                for n, sec in zip(fwd, s.draft_forward_s, strict=True):
+                seqs = [q for n, q in zip(s.draft_forward_tokens, s.draft_forward_seqs or [], strict=False) if n > 0]
+                for f, (n, sec) in enumerate(zip(fwd, s.draft_forward_s, strict=True)):
                     self.draft.observe(n, sec)
+                    if len(seqs) == len(fwd) and seqs[f] > 0:
+                        self.draft_by_seqs.setdefault(Curve.bucket(seqs[f]), Curve()).observe(n, sec)
                 self.draft_call.observe(fwd[0], max(0.0, s.draft_s - sum(s.draft_forward_s)))
             else:  # not timed apart: charge each forward the mean, at its mean size
                 worker = s.draft_s if s.draft_worker_s is None else min(s.draft_s, s.draft_worker_s)
@@ -210,9 +220,10 @@ class CostModel:
                     self.draft_call.observe(fwd[0], max(0.0, s.draft_s - worker))
         self.state.observe(s.num_seqs, s.state_s)
 
-    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[float], num_seqs: int) -> float:
-        return (self.verify_seconds(verify_tokens, num_seqs) + self.draft_seconds(draft_forward_tokens)
-                + self.state(num_seqs))
+    def step_seconds(self, verify_tokens: int, draft_forward_tokens: list[float], num_seqs: int,
+                     draft_forward_seqs: list[int] | None = None) -> float:
+        return (self.verify_seconds(verify_tokens, num_seqs)
+                + self.draft_seconds(draft_forward_tokens, draft_forward_seqs) + self.state(num_seqs))
 
     def verify_seconds(self, verify_tokens: float, num_seqs: int) -> float:
         """The target call forwarding these tokens for this many sequences: the curve of steps with about as many
@@ -271,12 +282,55 @@ class CostModel:
             return VerifyRecord(c.clock if c.points else None, False, 0)
         return VerifyRecord(c.clock - p.step, True, p.confirms)
 
-    def draft_seconds(self, draft_forward_tokens: list[float]) -> float:
-        """The draft call of a step with these forwards (0 without any)."""
-        fwd = [n for n in draft_forward_tokens if n > 0]
+    def draft_seconds(self, draft_forward_tokens: list[float], draft_forward_seqs: list[int] | None = None
+                      ) -> float:
+        """The draft call of a step with these forwards (0 without any), each over its sequences where known."""
+        seqs = draft_forward_seqs or []
+        fwd = [(n, seqs[f] if f < len(seqs) else 0) for f, n in enumerate(draft_forward_tokens) if n > 0]
         if not fwd:
             return 0.0
-        return self.draft_call(fwd[0]) + sum(self.draft(n) for n in fwd)
+        return self.draft_call(fwd[0][0]) + sum(self.draft_forward(n, q) for n, q in fwd)
+
+    def draft_forward(self, tokens: float, num_seqs: int) -> float:
+        """One draft forward of these tokens over this many sequences (0 for none): the curve of forwards over
+        about as many sequences where it has measured any; between two measured sequence counts, linear in the
+        sequences; past the largest, the line of the largest two (never below the largest); with nothing
+        measured by sequences (or ``num_seqs`` unknown: 0), the all-forwards curve.
+
+        Why between: a plan's forwards carry any number of its requests (the chains of 40 of 64, say), and a
+        count whose bucket was never measured priced on the all-forwards curve looked as cheap as the start-up's
+        8-sequence forwards again."""
+        if tokens <= 0:
+            return 0.0
+        if num_seqs <= 0 or not self.draft_by_seqs:
+            return self.draft(tokens)
+        b = Curve.bucket(num_seqs)
+        own = self.draft_by_seqs.get(b)
+        if own is not None and own.points:
+            return self._draft_at(own, tokens)
+        known = sorted(k for k, c in self.draft_by_seqs.items() if c.points)
+        below = [k for k in known if k < b]
+        above = [k for k in known if k > b]
+
+        def at(k: int) -> float:
+            return self._draft_at(self.draft_by_seqs[k], tokens)
+
+        if not below:  # fewer sequences than any measured: the smallest count's price (fewer never cost more)
+            return at(above[0]) if above else self.draft(tokens)
+        if not above and len(below) == 1:
+            return at(below[-1])
+        a, z = (below[-1], above[0]) if above else (below[-2], below[-1])
+        y0, y1 = at(a), at(z)
+        out = y0 + (y1 - y0) * (num_seqs - 2 ** a) / (2 ** z - 2 ** a)
+        return out if above else max(out, y1)
+
+
+    def _draft_at(self, c: Curve, tokens: float) -> float:
+        """A sequence count's forward curve at ``tokens``: its own line where it has two sizes, else the
+        all-forwards curve's shape scaled to its one point. Not that shape past two sizes: the all-forwards curve's
+        larger sizes are mostly larger batches' (their first forward carries a few tokens per sequence), so it
+        rose 7x between 16 and 64 tokens where 8 sequences' own forwards rose by a few percent."""
+        return c(tokens) if len(c.points) >= 2 else c.scaled(tokens, self.draft)
 
 
 def curve_to_dict(c: Curve) -> dict:
@@ -300,10 +354,12 @@ def curve_from_dict(d: dict) -> Curve:
 def cost_model_to_dict(m: CostModel) -> dict:
     return {"verify": curve_to_dict(m.verify), "draft": curve_to_dict(m.draft), "state": curve_to_dict(m.state),
             "draft_call": curve_to_dict(m.draft_call),
-            "verify_by_seqs": {str(b): curve_to_dict(c) for b, c in sorted(m.verify_by_seqs.items())}}
+            "verify_by_seqs": {str(b): curve_to_dict(c) for b, c in sorted(m.verify_by_seqs.items())},
+            "draft_by_seqs": {str(b): curve_to_dict(c) for b, c in sorted(m.draft_by_seqs.items())}}
 
 
 def cost_model_from_dict(d: dict) -> CostModel:
     return CostModel(verify=curve_from_dict(d["verify"]), draft=curve_from_dict(d["draft"]),
                      state=curve_from_dict(d["state"]), draft_call=curve_from_dict(d["draft_call"]),
-                     verify_by_seqs={int(b): curve_from_dict(c) for b, c in d["verify_by_seqs"].items()})
+                     verify_by_seqs={int(b): curve_from_dict(c) for b, c in d["verify_by_seqs"].items()},
+                     draft_by_seqs={int(b): curve_from_dict(c) for b, c in d["draft_by_seqs"].items()})

@@ -54,6 +54,7 @@ class _Prefix:
     tokens: float  # expected emitted tokens
     verify: int  # target tokens
     forwards: list[float]  # tokens of each draft forward
+    fseqs: list[int]  # sequences of each draft forward
     fixed_s: float  # the controller's seconds
     nseqs: int  # sequences in the step
 
@@ -120,13 +121,15 @@ class PlanSearch:
         tokens = 0.0
         verify = 0
         forwards: list[float] = []
+        fseqs: list[int] = []
         pairs = [*zip(rs, shapes, strict=True), *self._pinned]
         for r, shape in pairs:
             t, v, fw = self._round(r, shape)
             tokens += t
             verify += v
             _add(forwards, fw)
-        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs)))
+            _add(fseqs, [1] * len(fw))
+        return _Plan(list(shapes), tokens, self._cost.step_seconds(verify, forwards, len(pairs), fseqs))
 
     def best_chains(self, rs: Sequence[_Req]) -> _Plan:
         """The best chains: for each depth cap D (1 .. K_max), the best prefix of the candidates no deeper than D
@@ -152,6 +155,7 @@ class PlanSearch:
             tokens=float(len(rs)) + pinned.tokens,
             verify=sum(r.inflight for r in rs) + self._pinned_verify(),
             forwards=self._pinned_forwards(),
+            fseqs=self._pinned_seqs(),
             fixed_s=self._cost.state(len(rs) + len(self._pinned)),
             nseqs=len(rs) + len(self._pinned),  # every plan of this step has them all: one curve of the verify's
         )
@@ -184,7 +188,7 @@ class PlanSearch:
         return len(cut) <= len(of) and of[:len(cut)] == cut
 
     def _prefix_seconds(self, p: _Prefix) -> float:
-        return (self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards)
+        return (self._cost.verify_seconds(p.verify, p.nseqs) + self._cost.draft_seconds(p.forwards, p.fseqs)
                 + p.fixed_s)
 
     def _best_prefix(self, rs: Sequence[_Req], cands: list[tuple[float, int, int]], base: _Prefix
@@ -193,15 +197,16 @@ class PlanSearch:
         ``base``: its length and rate (0 and 0.0 when there are no candidates)."""
         tokens, verify = base.tokens, base.verify
         forwards = list(base.forwards)
-        draft_cost, call_cost = self._cost.draft, self._cost.draft_call
+        fseqs = list(base.fseqs)
+        draft_cost, call_cost = self._cost.draft_forward, self._cost.draft_call
         # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
         # per-step cost: re-pricing all K forwards at every prefix was most of it).
-        fwd_s = [draft_cost(f) if f > 0 else 0.0 for f in forwards]
+        fwd_s = [draft_cost(n, q) for n, q in zip(forwards, fseqs, strict=True)]
         dirty: set[int] = set()
 
         def draft_s() -> float:
             for f in dirty:
-                fwd_s[f] = draft_cost(forwards[f]) if forwards[f] > 0 else 0.0
+                fwd_s[f] = draft_cost(forwards[f], fseqs[f])
             dirty.clear()
             return sum(fwd_s) + call_cost(forwards[0]) if forwards and forwards[0] > 0 else 0.0
 
@@ -214,7 +219,9 @@ class PlanSearch:
             verify += 1
             if len(forwards) <= j:
                 forwards.append(0.0)
+                fseqs.append(0)
                 fwd_s.append(0.0)
+            fseqs[j] += 1  # the request's chain now reaches past level j
             r = rs[i]
             if r.steady:  # the first forward's steady catch-up: 1 + P(whole chain accepted), as ``_round``
                 forwards[0] += (r.lag if j == 0 else 0.0) - neg_value - reached[i]
@@ -245,6 +252,13 @@ class PlanSearch:
             _add(forwards, self._round(r, shape)[2])
         return forwards
 
+    def _pinned_seqs(self) -> list[int]:
+        """Sequences of each draft forward of the pinned rounds (a round of depth d is in forwards 0 .. d-1)."""
+        seqs: list[int] = []
+        for _, shape in self._pinned:
+            _add(seqs, [1] * len(shape))
+        return seqs
+
     def _trees_where_they_pay(self, rs: Sequence[_Req], chains: _Plan) -> _Plan | None:
         """Per request, the configured tree (cut to its cap) instead of its chain where that raises the step's
         predicted rate: requests in order of the tree's expected extra tokens per extra target token, each switch
@@ -260,10 +274,12 @@ class PlanSearch:
         tokens = chains.tokens
         verify = self._pinned_verify() + sum(v for _, v, _ in parts)
         forwards = self._pinned_forwards()
+        fseqs = self._pinned_seqs()
         for _, _, fw in parts:
             _add(forwards, fw)
+            _add(fseqs, [1] * len(fw))
         nseqs = len(rs) + len(self._pinned)
-        seconds = self._cost.step_seconds(verify, forwards, nseqs)
+        seconds = self._cost.step_seconds(verify, forwards, nseqs, fseqs)
         options = []  # (-gain per extra target token, request index, shape, its round)
         for i, r in enumerate(rs):
             t = tree[: r.cap]
@@ -276,15 +292,17 @@ class PlanSearch:
         changed = False
         for _, i, t, (t_tok, t_ver, t_fwd) in sorted(options, key=lambda o: (o[0], o[1])):
             c_tok, c_ver, c_fwd = parts[i]
-            fw = list(forwards)
+            fw, fq = list(forwards), list(fseqs)
             _add(fw, c_fwd, -1)
             _add(fw, t_fwd)
+            _add(fq, [1] * len(c_fwd), -1)
+            _add(fq, [1] * len(t_fwd))
             ver = verify - c_ver + t_ver
             tok = tokens - c_tok + t_tok
-            sec = self._cost.step_seconds(ver, fw, nseqs)
+            sec = self._cost.step_seconds(ver, fw, nseqs, fq)
             if sec > 0 and seconds > 0 and tok / sec > tokens / seconds:
                 shapes[i], parts[i] = t, (t_tok, t_ver, t_fwd)
-                tokens, verify, forwards, seconds, changed = tok, ver, fw, sec, True
+                tokens, verify, forwards, fseqs, seconds, changed = tok, ver, fw, fq, sec, True
         return _Plan(shapes, tokens, seconds) if changed else None
 
     def _tree_plan(self, rs: Sequence[_Req]) -> _Plan | None:

@@ -76,6 +76,7 @@ def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> Non
         policy = engine.scheduler.policy
         assert policy.cost.ready and policy.sampled_cost.ready
         assert len(policy.cost.verify.points) >= 3 and policy.cost.draft_call.ready
+        assert len(policy.cost.draft_by_seqs) >= 2  # the draft's forwards, by the sequences each carried
         # Nothing of the dummy sequences remains: statistics, acceptance, requests, the forced shape.
         assert engine.stats.num_rounds == 0 and engine.times.steps == 0 and not engine.has_unfinished
         assert policy.acceptance.engine_rates(True, 1) == [0.7] and policy.forced is None
@@ -267,10 +268,11 @@ def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
 
     m = _costs(lambda n: 2 * MS + 0.1 * MS * n, lambda n: 0.3 * MS * n)
     m.verify_by_seqs[2] = _curve(lambda n: 3 * MS * n)
+    m.draft_by_seqs[5] = _curve(lambda n: 9 * MS + 0.5 * MS * n)
     back = cost_model_from_dict(json.loads(json.dumps(cost_model_to_dict(m))))
     for x in (1, 3, 50, 300):
         assert back.verify_seconds(x, 4) == m.verify_seconds(x, 4)
-        assert back.draft_seconds([x, x]) == m.draft_seconds([x, x])
+        assert back.draft_seconds([x, x], [32, 8]) == m.draft_seconds([x, x], [32, 8]) > m.draft_seconds([x, x])
     for bad in ([[3, 1.0, 0.5, 0]],  # the point is not in its bucket
                 [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]]):
         with pytest.raises(ValueError):

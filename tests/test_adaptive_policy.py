@@ -473,6 +473,61 @@ def test_each_draft_forward_is_priced_at_its_own_size() -> None:
     assert c.draft_seconds([4] + [1] * 7) == pytest.approx(11 * MS, rel=0.05)
 
 
+def _draft_ms(tokens: float, seqs: int) -> float:
+    """A draft forward whose cost is mostly its sequences' (each reads its own context)."""
+    return 0.5 + 0.05 * tokens + 1.0 * seqs
+
+
+def _chain_step(seqs: int, depth: int, first: int, seqs_known: bool) -> StepSample:
+    """``seqs`` chains of ``depth`` whose first forward carries ``first`` tokens each (verify flat, ~40 ms)."""
+    fwd = [seqs * first] + [seqs] * (depth - 1)
+    secs = [_draft_ms(n, seqs) * MS for n in fwd]
+    tokens = seqs * (depth + 1)
+    return StepSample(tokens, (40 + 0.02 * tokens) * MS, fwd, sum(secs), False, seqs, 0.0, draft_worker_s=sum(secs),
+                      draft_forward_s=secs, draft_forward_seqs=[seqs] * depth if seqs_known else None)
+
+
+@pytest.mark.parametrize("seqs_known", [True, False])
+def test_a_draft_forward_is_priced_at_its_sequence_count(seqs_known: bool) -> None:
+    """At concurrency 64 (larger random pair) a first forward of 107 tokens over 64 sequences took 0.14-0.21 s,
+    priced 0.07 s from the start-up's forwards over 8 sequences x 13 tokens: the first bet of each wave ran on.
+    Here 64 sequences cost 64 ms more than 8 at the same tokens; plain steps of 64 and one bet (64 chains of 1)
+    measured, then the 8-sequence forwards: a chain for 64 requests must be priced at 64 sequences, and plain
+    decode chosen. The control (the sequences not reported: one curve over tokens) prices them at 8 and runs
+    chains for everyone."""
+    cost = CostModel()
+    for _ in range(3):
+        cost.observe(StepSample(64, (40 + 0.02 * 64) * MS, [], 0.0, False, 64, 0.0))
+        cost.observe(_chain_step(64, 1, 2, seqs_known))
+    for _ in range(6):
+        cost.observe(_chain_step(8, 4, 13, seqs_known))
+    priced = cost.draft_forward(115, 64)
+    assert (priced > 0.8 * _draft_ms(115, 64) * MS) == seqs_known, priced
+    assert cost.draft_forward(104, 8) == pytest.approx(_draft_ms(104, 8) * MS, rel=0.05 if seqs_known else 0.5)
+    p = policy(cost)
+    reqs = requests(64)
+    for r in reqs:
+        teach(p, r, 0.9, seed=r.seq_id)
+    speculating = sum(len(s) > 0 for s in p.plan(reqs))
+    assert (speculating == 0) == seqs_known, speculating
+
+
+def test_a_draft_forward_over_an_unmeasured_sequence_count_is_priced_between_the_measured_ones() -> None:
+    """Measured over 8 and 64 sequences: 40 sequences (bucket 32, never measured) must cost between the two,
+    linear in the sequences; 128 on the line of 8 and 64; 2 no more than 8 (fewer never cost more)."""
+    cost = CostModel()
+    for seqs in (8, 64) * 3:
+        for tokens in (seqs, 2 * seqs):
+            cost.observe(StepSample(tokens, 0.0, [tokens], _draft_ms(tokens, seqs) * MS, False, seqs, 0.0,
+                                    draft_worker_s=_draft_ms(tokens, seqs) * MS,
+                                    draft_forward_s=[_draft_ms(tokens, seqs) * MS], draft_forward_seqs=[seqs]))
+    at8, at64 = cost.draft_forward(80, 8), cost.draft_forward(80, 64)
+    assert at8 < cost.draft_forward(80, 40) < at64
+    assert cost.draft_forward(80, 40) == pytest.approx(at8 + (at64 - at8) * 32 / 56, rel=1e-6)
+    assert cost.draft_forward(80, 128) == pytest.approx(at64 + (at64 - at8) * 64 / 56, rel=1e-6)
+    assert cost.draft_forward(80, 2) == pytest.approx(at8, rel=1e-6)
+
+
 def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     """One miss at depth 3 early on, then rounds of depth 2 that accept both: the request's rate at depth 3 must
     return towards the engine's (0.9 here) as its evidence ages, not keep the miss until the request ends (its
