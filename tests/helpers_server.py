@@ -136,8 +136,9 @@ class FakeEngine:
     """
 
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_s: float = 0.0,
-                 fail_at_step: int | None = None) -> None:
+                 fail_at_step: int | None = None, text: bool = True) -> None:
         self.max_num_seqs = max_num_seqs
+        self.text = text  # False: a model without a tokenizer (every delta's text is empty)
         self.max_model_len = max_model_len
         self.step_s = step_s
         self.fail_at_step = fail_at_step
@@ -185,7 +186,8 @@ class FakeEngine:
             tok = ord("a") + len(r.out) % 26
             r.out.append(tok)
             done = len(r.out) >= r.max_tokens
-            out.append(FakeDelta(r.rid, [tok], chr(tok), done, "length" if done else None, len(r.prompt),
+            text = chr(tok) if self.text else ""
+            out.append(FakeDelta(r.rid, [tok], text, done, "length" if done else None, len(r.prompt),
                                  len(r.out), {"rounds": len(r.out), "drafted_tokens": 2 * len(r.out),
                                               "accepted_tokens": len(r.out), "mean_acceptance_length": 2.0}
                                  if done else None))
@@ -206,14 +208,15 @@ def fake_stats(engine: FakeEngine):
                        accepted_per_position=(engine.steps,))
 
 
-def fake_app(engine: FakeEngine, *, max_queue: int = 16, api_key: str | None = None, name: str = "fake"):
+def fake_app(engine: FakeEngine, *, max_queue: int = 16, api_key: str | None = None, name: str = "fake",
+             tokenizer: bool = True):
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
 
     ae = AsyncEngine(engine, max_queue=max_queue, metrics=ServerMetrics(name), stats_reader=fake_stats)
-    return build_app(ae, ServerConfig(name), FakeTokenizer(), api_key=api_key), ae
+    return build_app(ae, ServerConfig(name), FakeTokenizer() if tokenizer else None, api_key=api_key), ae
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:

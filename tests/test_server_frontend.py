@@ -46,6 +46,53 @@ def test_completion_shapes_and_streamed_text_equals_non_streamed(fake) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
 
 
+def test_token_ids_only_when_asked_for(fake) -> None:
+    """vLLM's ``return_token_ids``: the output ids on each choice (each streamed chunk: that chunk's ids);
+    without it a model with a tokenizer sends none (the response is OpenAI's)."""
+    srv, _, _ = fake
+    plain = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30).json()
+    assert "token_ids" not in plain["choices"][0]
+    body = {"prompt": "x", "max_tokens": 3, "return_token_ids": True}
+    full = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()
+    assert full["choices"][0]["token_ids"] == [ord(c) for c in "abc"] and full["choices"][0]["text"] == "abc"
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": True}, timeout=30)
+    ids = [i for e in _sse_events(r.text)[:-1] for i in json.loads(e)["choices"][0]["token_ids"]]
+    assert ids == full["choices"][0]["token_ids"]
+
+
+def test_a_model_without_a_tokenizer_streams_its_token_ids_and_load_tests_time_them() -> None:
+    """A model without a tokenizer has no text: its streams carried nothing until the last chunk, and
+    ``bench serve`` / ``bench sweep`` reported no time to first token or per output token (every sweep of the
+    larger random pair showed "-"). Now each chunk carries its token ids, and the load test times them."""
+    import asyncio
+
+    from engine.benchmarks.openai_stream import RequestRecord, send_request
+
+    engine = FakeEngine(max_num_seqs=2, step_s=0.02, text=False)
+    app, _ = fake_app(engine, tokenizer=False)
+    srv = ThreadServer(app)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "stream": True},
+                       timeout=30)
+        chunks = [json.loads(e)["choices"][0] for e in _sse_events(r.text)[:-1]]
+        assert [c["token_ids"] for c in chunks] == [[97], [98], [99], [100]] and all(c["text"] == "" for c in chunks)
+        full = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=30).json()
+        assert full["choices"][0]["token_ids"] == [97, 98, 99, 100]
+
+        async def one() -> RequestRecord:
+            async with httpx.AsyncClient(timeout=30) as client:
+                rec = RequestRecord(index=0, request_id="0")
+                return await send_request(client, srv.url + "/v1/completions",
+                                          {"prompt": [1, 2], "max_tokens": 8, "stream": True,
+                                           "stream_options": {"include_usage": True}}, rec, 0.0)
+
+        rec = asyncio.run(one())
+        assert rec.success and rec.output_tokens == 8
+        assert rec.ttft is not None and 0 < rec.ttft < rec.e2el and rec.tpot is not None and len(rec.itl) == 7
+    finally:
+        srv.stop()
+
+
 def test_sse_wire_format_ends_with_done(fake) -> None:
     srv, _, _ = fake
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}, timeout=30)

@@ -32,8 +32,8 @@ class RequestRecord:
     success: bool = False
     error: str | None = None
     send_time: float = 0.0
-    ttft: float | None = None  # first text chunk - send
-    itl: list[float] = field(default_factory=list)  # gaps between text chunks
+    ttft: float | None = None  # first chunk with text (or token ids: a model without a tokenizer) - send
+    itl: list[float] = field(default_factory=list)  # gaps between such chunks
     e2el: float | None = None  # end of stream - send
     prompt_tokens: int | None = None
     output_tokens: int = 0
@@ -76,6 +76,11 @@ def _chunk_text(obj: dict[str, Any]) -> str:
     if "delta" in c:  # chat
         return (c.get("delta") or {}).get("content") or ""
     return c.get("text") or ""
+
+
+def _chunk_has_tokens(obj: dict[str, Any]) -> bool:
+    choices = obj.get("choices") or []
+    return bool(choices and choices[0].get("token_ids"))
 
 
 async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord,
@@ -124,7 +129,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec
                 rec.error = f"error event: {json.dumps(obj['error'])[:ERROR_BODY_CHARS]}"
                 return
             piece = _chunk_text(obj)
-            if piece:
+            if piece or _chunk_has_tokens(obj):  # a model without a tokenizer streams token ids, no text
                 if last is None:
                     rec.ttft = now - start
                 else:

@@ -154,31 +154,34 @@ class Serving:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(rid, prompts, [params] * len(prompts), "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
+        ids = self.tokenizer is None if req.return_token_ids is None else req.return_token_ids
         if req.stream:
-            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage))
+            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage, ids))
         results = await self._collect_unless_gone(streams, raw)
         if results is None:
             return Response(status_code=499)  # the client left; nobody reads this
         return _json(CompletionResponse(
             id=rid, model=self.config.served_model_name,
-            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                      token_ids=r.token_ids if ids else None)
                      for i, r in enumerate(results)],
             usage=_usage(prompt_tokens, results), spec_decode=SpecDecodeInfo.combine([r.metrics for r in results])))
 
     async def _completion_events(self, rid: str, streams: list[RequestStream], prompt_tokens: int,
-                                 include_usage: bool) -> AsyncIterator[bytes]:
+                                 include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
         created, model = _now(), self.config.served_model_name
         finals: dict[int, Any] = {}
         try:
             async for i, d in self._merged(streams):
-                if not d.new_text and not d.finished:
+                if not d.new_text and not d.finished and not (token_ids and d.new_token_ids):
                     continue  # tokens that do not complete a character yet
                 if d.finished:
                     finals[i] = d
                 yield _sse(CompletionResponse(
                     id=rid, created=created, model=model,
                     choices=[CompletionChoice(index=i, text=d.new_text, finish_reason=d.finish_reason
-                                              if d.finished else None)],
+                                              if d.finished else None,
+                                              token_ids=list(d.new_token_ids) if token_ids else None)],
                     spec_decode=SpecDecodeInfo.combine([d.metrics]) if d.finished else None))
             if include_usage:
                 done = list(finals.values())
@@ -297,14 +300,16 @@ class _Result:
     num_output_tokens: int
     finish_reason: str | None
     metrics: dict | None
+    token_ids: list[int]
 
 
 async def _collect(stream: RequestStream) -> _Result:
-    parts, last = [], None
+    parts, ids, last = [], [], None
     async for d in stream:
         parts.append(d.new_text)
+        ids += d.new_token_ids
         last = d
-    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics)
+    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics, ids)
 
 
 async def _collect_all(streams: list[RequestStream]) -> list[_Result]:
