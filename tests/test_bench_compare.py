@@ -76,3 +76,15 @@ def test_unseeded_runs_send_no_seed(seeded: bool) -> None:
     FakeLLM.engine.stats.__init__ = lambda: None
     engine_run(FakeLLM(), [[[1, 2]], [[3]]], 4, 0.8, None, seeded=seeded)
     assert [p.seed for p in sent] == ([0, 1000] if seeded else [None, None])
+
+
+def test_the_adaptive_ratios_are_also_paired_within_each_repeat() -> None:
+    """The machine's speed moves between repeats: adaptive 100 then 50 tokens per CPU-second, a fixed chain 50
+    then 100 in the other order. The ratio of medians is 1.0 whatever happened within each repeat; the paired one
+    shows each repeat's 2.0 and 0.5."""
+    from engine.benchmarks.compare import Row, paired
+
+    a = Row("specserve_adaptive", 0.8, 1, tokens=100, cpu_seconds=[1.0, 2.0, 1.0])
+    k = Row("specserve_k6", 0.8, 1, tokens=100, cpu_seconds=[2.0, 1.0, 1.0])
+    assert paired(a, k) == " [per repeat 2.00, 0.50, 1.00: median 1.00]"
+    assert paired(Row("x", 0.0, 1, tokens=1, cpu_seconds=[1.0]), Row("y", 0.0, 1, tokens=1, cpu_seconds=[1.0])) == ""

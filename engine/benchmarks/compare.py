@@ -426,6 +426,17 @@ def summarize(rows: list[Row], k: int) -> dict:
     return out
 
 
+def paired(r: Row, base: Row) -> str:
+    """`` [per repeat a, b, c: median m]``: ``r``'s tokens per CPU-second over ``base``'s within each repeat (run
+    next to each other), or "" with fewer than two repeats. The ratio of the medians mixes the machine's speeds:
+    on the 2-core machine one repeat ran the fixed chain at 79 and the next at 108 tok/s, and each repeat's
+    modes ran at about one speed."""
+    if len(r.cpu_seconds) < 2 or len(r.cpu_seconds) != len(base.cpu_seconds) or not r.tokens or not base.tokens:
+        return ""
+    ratios = [(r.tokens / a) / (base.tokens / b) for a, b in zip(r.cpu_seconds, base.cpu_seconds, strict=True)]
+    return f" [per repeat {', '.join(f'{x:.2f}' for x in ratios)}: median {statistics.median(ratios):.2f}]"
+
+
 def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
     print(f"\ntarget {args.target}\ndraft  {args.draft}\n{args.num_prompts} prompts, {args.max_tokens} tokens each, "
           f"chain K={args.k}, tree {args.tree}, dtype {args.dtype}, {args.threads} thread(s), median of "
@@ -471,9 +482,12 @@ def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
         base = next((x for x in same if x.mode == "specserve_nospec"), None)
         fixed = [x for x in same if x.mode.startswith(FIXED_K_MODE) or x.mode == "specserve_chain"]
         best = max(fixed, key=lambda x: x.tok_cpu_s, default=None)
-        vs = f"  {r.tok_cpu_s / base.tok_cpu_s:.2f}x nospec" if base is not None and base is not r else ""
-        if best is not None and r.mode.startswith("specserve_adaptive"):
-            vs += f"  {r.tok_cpu_s / best.tok_cpu_s:.2f}x best fixed K ({best.mode})"
+        adaptive = r.mode.startswith("specserve_adaptive")
+        vs = ""
+        if base is not None and base is not r:
+            vs = f"  {r.tok_cpu_s / base.tok_cpu_s:.2f}x nospec{paired(r, base) if adaptive else ''}"
+        if best is not None and adaptive:
+            vs += f"  {r.tok_cpu_s / best.tok_cpu_s:.2f}x best fixed K ({best.mode}){paired(r, best)}"
         print(f"  T={r.temperature} b={r.batch:<3} {r.mode:<24} {r.tok_cpu_s:8.1f}{vs}")
     adaptive = [r for r in rows if r.mode.startswith("specserve_adaptive") and r.chosen_depths]
     if adaptive:
