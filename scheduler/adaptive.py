@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.acceptance import AcceptanceTracker, expected_tokens
-from scheduler.cost_model import CostModel, StepSample
+from scheduler.cost_model import CostModel, Curve, StepSample
 from scheduler.exploration import Exploration
 from scheduler.plan_search import PlanSearch, _Plan, _Req
 from scheduler.request import Request
@@ -54,6 +54,14 @@ class AdaptivePolicy(PlanSearch, Exploration):
     # measures the acceptance that would have made speculation pay.
     min_rounds: int = 8
     observing: bool = True  # False: step times are not learned (the start-up profiling's first steps)
+    # Where plain decode beat every speculating plan by more than ``clear_lead`` (relative), the next
+    # ``clear_steps`` steps of that batch size and regime decode plainly without the search. At saturation the
+    # search was most of the controller's time: 2.5-3 ms a step at batch 64 (K_max 8, 512 candidates under 8
+    # depth caps) of a 0.45 s step, to choose plain decode again; a lead that wide does not close in a few
+    # steps unless the batch changes, which plans again at once. Explorations go on as before.
+    clear_lead: float = 0.10
+    clear_steps: int = 4
+    _clear: dict[tuple[int, bool], int] = field(default_factory=dict)  # (batch bucket, sampled) -> steps left
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
@@ -158,18 +166,29 @@ class AdaptivePolicy(PlanSearch, Exploration):
         a prefill-sized call, not the decode size explored. At concurrency 64 (larger random pair, greedy, waves of
         equal-length requests) the step that admitted 56 new requests was also the one where the 8 left decoding
         made a batch size due for exploration: ~1 s more on a 6 s step, every wave, and the size still unmeasured."""
-        if not self._cost.knows_batch_size(len(rs) + len(self._pinned)):
+        nseqs = len(rs) + len(self._pinned)
+        clear = (Curve.bucket(nseqs), self._cost is self.sampled_cost)
+        if not self._cost.knows_batch_size(nseqs):
             # Plain decode measures this batch size's first sizes; an exploration (a few requests speculating)
             # its second, as soon as the budget allows (a size never measured here is not held to explore_min).
             best = self.price(rs, [()] * len(rs))
+        elif self._clear.get(clear, 0) > 0 and not self._pinned:
+            self._clear[clear] -= 1
+            best = self.price(rs, [()] * len(rs))
         else:
+            self._clear.clear()  # another batch size or regime: its lead is not this one's
             best = self.best_chains(rs)
+            spec_rate = self.spec_rate
             for other in (self._trees_where_they_pay(rs, best), self._tree_plan(rs)):
+                if other is not None:
+                    spec_rate = max(spec_rate, other.rate)
                 if other is not None and other.rate > best.rate:
                     best = other
             prev = self._previous(rs, best.shapes)
             if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
                 best = prev
+            if not any(best.shapes) and not self._pinned and spec_rate < best.rate * (1 - self.clear_lead):
+                self._clear[clear] = self.clear_steps
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
         explore = None if prefill else self._exploration(rs, best, fixed)

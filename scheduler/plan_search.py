@@ -86,6 +86,7 @@ class PlanSearch:
     # sampled regime's per-node costs, and a plan predicted 3 % better was 25 % slower at batch 32, T = 0.8
     # (larger random pair).
     spec_margin: float = 0.05
+    spec_rate: float = 0.0  # the best speculating chains' predicted rate in the last ``best_chains`` (0: none)
 
     if TYPE_CHECKING:  # the policy's (scheduler/adaptive.py), set by its ``plan``
         base: SpecPolicy
@@ -150,6 +151,7 @@ class PlanSearch:
                 p *= r.rates[j]
                 cands.append((-p, j, i))
         cands.sort()
+        self.spec_rate = 0.0
         pinned = self.price([], [])  # the pinned rounds alone: their tokens and nodes are in every prefix
         base = _Prefix(
             tokens=float(len(rs)) + pinned.tokens,
@@ -172,6 +174,8 @@ class PlanSearch:
                 continue
             priced = cut if len(cut) <= self._PRICES_PER_CAP else None
             n, rate = self._best_prefix(rs, cut, base)
+            if n:
+                self.spec_rate = max(self.spec_rate, rate)
             if n and rate > best_rate:
                 best_rate, best_cut = rate, cut[:n]
         if best_cut and best_rate < plain_rate * (1 + self.spec_margin):

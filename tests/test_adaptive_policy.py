@@ -81,6 +81,35 @@ def test_verify_cost_linear_in_tokens_gives_no_speculation() -> None:
     assert p.plan(reqs) == [()] * 32
 
 
+def test_a_wide_lead_of_plain_decode_skips_the_search_for_a_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compute-bound: plain decode leads every speculating plan by far. The search runs once, then the next
+    ``clear_steps`` steps of that batch size decode plainly without it; a step of another batch size searches
+    again at once. With a lead under ``clear_lead`` it searches every step."""
+    searches = []
+    search = AdaptivePolicy.best_chains
+    monkeypatch.setattr(AdaptivePolicy, "best_chains", lambda self, rs: searches.append(len(rs)) or search(self, rs))
+    cost = costs(**COMPUTE_BOUND)
+    cost.draft_call = curve(lambda n: 10 * MS)  # every speculating plan pays it: 24 % behind plain decode
+    p = policy(cost)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.85, seed=r.seq_id)
+    for _ in range(6):
+        assert p.plan(reqs) == [()] * 32
+    assert searches == [32, 32]  # steps 1 and 6: the 4 in between skipped it
+    p.plan(reqs[:8])
+    assert searches[-1] == 8
+    searches.clear()
+    # The draft call at 5 ms: speculating is 14 % behind, but still in reach of the estimates' drift.
+    cost.draft_call = curve(lambda n: 5 * MS)
+    q = policy(cost, clear_lead=0.15)
+    for r in reqs:
+        teach(q, r, 0.85, seed=r.seq_id)
+    for _ in range(3):
+        assert q.plan(reqs) == [()] * 32
+    assert 0 < q.spec_rate and len(searches) == 3, (q.spec_rate, searches)
+
+
 def test_compute_bound_only_past_a_batch_size() -> None:
     """Flat up to 64 tokens, linear beyond: a small batch speculates, a large one does not."""
     p = policy(costs(verify=lambda n: 10 * MS * max(1.0, n / 64), draft=lambda n: 0.2 * MS * max(1.0, n / 64)))
