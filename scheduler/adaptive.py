@@ -56,10 +56,12 @@ class AdaptivePolicy(PlanSearch, Exploration):
     observing: bool = True  # False: step times are not learned (the start-up profiling's first steps)
     # Where plain decode beat every speculating plan by more than ``clear_lead`` (relative), the next
     # ``clear_steps`` steps of that batch size and regime decode plainly without the search. At saturation the
-    # search was most of the controller's time: 2.5-3 ms a step at batch 64 (K_max 8, 512 candidates under 8
-    # depth caps) of a 0.45 s step, to choose plain decode again; a lead that wide does not close in a few
-    # steps unless the batch changes, which plans again at once. Explorations go on as before.
-    clear_lead: float = 0.10
+    # search was most of the controller's time: ~3 ms a step at batch 64 (K_max 8, 512 candidates under 8
+    # depth caps) of a 0.45-0.55 s step, to choose plain decode again (the lead there, on the curves a c64
+    # server measured: 8-9 %). Speculating must also win by ``spec_margin``, so such a lead closes only on a
+    # ~10 % move of the estimates, not in a few steps unless the batch changes, which plans again at once.
+    # Explorations go on as before.
+    clear_lead: float = 0.05
     clear_steps: int = 4
     _clear: dict[tuple[int, bool], int] = field(default_factory=dict)  # (batch bucket, sampled) -> steps left
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
