@@ -324,7 +324,6 @@ class CostModel:
         out = y0 + (y1 - y0) * (num_seqs - 2 ** a) / (2 ** z - 2 ** a)
         return out if above else max(out, y1)
 
-
     def _draft_at(self, c: Curve, tokens: float) -> float:
         """A sequence count's forward curve at ``tokens``: its own line where it has two sizes, else the
         all-forwards curve's shape scaled to its one point. Not that shape past two sizes: the all-forwards curve's
