@@ -325,11 +325,24 @@ class CostModel:
         return out if above else max(out, y1)
 
     def _draft_at(self, c: Curve, tokens: float) -> float:
-        """A sequence count's forward curve at ``tokens``: its own line where it has two sizes, else the
-        all-forwards curve's shape scaled to its one point. Not that shape past two sizes: the all-forwards curve's
-        larger sizes are mostly larger batches' (their first forward carries a few tokens per sequence), so it
-        rose 7x between 16 and 64 tokens where 8 sequences' own forwards rose by a few percent."""
-        return c(tokens) if len(c.points) >= 2 else c.scaled(tokens, self.draft)
+        """A sequence count's forward curve at ``tokens``: within its measured sizes, its own line; past them, the
+        lower of its own line's extrapolation and the all-forwards curve's shape scaled to meet it at its nearest
+        end (with one size, that shape alone).
+
+        Why the lower: either extrapolation can be far off. The all-forwards curve's larger sizes are mostly larger
+        batches' (their first forward carries a few tokens per sequence): it rose 7x between 16 and 64 tokens
+        where 8 sequences' own forwards rose by a few percent. And a curve measured at 1 and 2 tokens (batch 1's
+        one-token levels and steady first forwards: 4.9 and 6.1 ms, built-in draft) extrapolated to a catch-up of
+        40 tokens over one sequence at 51 ms, where such a forward takes ~10: a single request then decoded plainly
+        for its whole life (the catch-up grows while it does)."""
+        xs = [p.x for p in c.points.values()]
+        lo, hi = min(xs), max(xs)
+        if lo <= tokens <= hi:
+            return c(tokens)
+        end = lo if tokens < lo else hi
+        ref = self.draft(end)
+        shaped = c(end) * self.draft(tokens) / ref if ref > 0 else c(tokens)
+        return shaped if len(xs) < 2 else min(c(tokens), shaped)
 
 
 def curve_to_dict(c: Curve) -> dict:

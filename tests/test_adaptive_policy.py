@@ -557,6 +557,21 @@ def test_a_draft_forward_over_an_unmeasured_sequence_count_is_priced_between_the
     assert cost.draft_forward(80, 2) == pytest.approx(at8, rel=1e-6)
 
 
+def test_a_catch_up_past_a_sequence_counts_sizes_is_not_priced_on_its_steep_line() -> None:
+    """Batch 1's forwards measured at 1 and 2 tokens (4.9 and 6.1 ms: a steep line) and the all-forwards curve
+    at 3.6 and 189 tokens (7.3, 23.5 ms): a first forward feeding 40 tokens of catch-up over one sequence must
+    be priced near the all-forwards shape (~10 ms), not on the line (51 ms), which kept a lone request on plain
+    decode for its whole life in the served test (its catch-up grows while it does)."""
+    cost = CostModel()
+    for n, ms in ((1, 4.9), (2, 6.1)) * 3:
+        cost.observe(StepSample(n + 1, 0.0, [n], ms * MS, False, 1, 0.0, draft_worker_s=ms * MS,
+                                draft_forward_s=[ms * MS], draft_forward_seqs=[1]))
+    for n, ms in ((3.6, 7.3), (189, 23.5)):
+        cost.draft.observe(n, ms * MS)
+    assert 8 * MS < cost.draft_forward(40, 1) < 12 * MS, cost.draft_forward(40, 1)
+    assert cost.draft_forward(1.5, 1) == pytest.approx(5.5 * MS, rel=0.02)  # within its sizes: its own line
+
+
 def test_a_depth_a_request_stopped_reaching_drifts_back_to_the_prior() -> None:
     """One miss at depth 3 early on, then rounds of depth 2 that accept both: the request's rate at depth 3 must
     return towards the engine's (0.9 here) as its evidence ages, not keep the miss until the request ends (its
