@@ -53,7 +53,8 @@ sampling = {
     "user": st.text(max_size=8),
 }
 FIELDS = sorted({*sampling, "model", "prompt", "max_tokens", "messages", "max_completion_tokens", "best_of", "echo",
-                 "suffix", "logit_bias", "presence_penalty", "tools", "response_format", "stream_options"})
+                 "suffix", "logit_bias", "presence_penalty", "tools", "response_format", "stream_options",
+                 "return_token_ids"})
 mutations = st.lists(st.tuples(st.sampled_from(FIELDS) | st.text(max_size=8),
                                anything | st.integers(-(2**70), 2**70) | st.just(_DELETE)), max_size=2)
 
