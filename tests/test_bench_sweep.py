@@ -285,3 +285,19 @@ def test_smoke_sweep_against_specserve_serve(tmp_path):
     sd = chain["points"][0]["result"]["spec_decode"]
     assert sd["source"] == "specserve" and sd["num_drafts"] > 0 and 1.0 <= sd["mean_acceptance_length"] <= 3.0
     assert len(sd["per_position_acceptance_rate"]) == 2
+
+
+def test_a_rung_without_streamed_tokens_logs_a_dash_not_nan(monkeypatch, capsys):
+    """A server whose streams carry nothing until the end has no TTFT or TPOT: the rung's line says '-'."""
+    import argparse
+
+    from engine.benchmarks import sweep
+
+    result = {"output_throughput": 12.5, "median_ttft_ms": None, "median_tpot_ms": float("nan"), "failed": 0}
+    monkeypatch.setattr(sweep, "config_from_args", lambda *a: None)
+    monkeypatch.setattr(sweep, "build_requests", lambda *a: [])
+    monkeypatch.setattr(sweep, "run_benchmark", lambda *a: result)
+    args = argparse.Namespace(num_prompts=1, prompts_per_concurrency=1)
+    sweep.run_rung("http://127.0.0.1:1", "concurrency", 4, args, "a")
+    line = capsys.readouterr().err.strip()
+    assert line == "[a] concurrency 4: 12.5 out tok/s, TTFT p50 - ms, TPOT p50 - ms, failed 0", line

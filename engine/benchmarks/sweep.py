@@ -31,7 +31,7 @@ from typing import Any
 from engine.benchmarks.knee import find_knee, stop_climbing
 from engine.benchmarks.serve import add_workload_args, build_requests, config_from_args, run_benchmark
 from engine.benchmarks.server_process import ServerProcess, serve_command
-from engine.benchmarks.sweep_report import markdown, plot
+from engine.benchmarks.sweep_report import fmt, markdown, plot
 
 
 @dataclass
@@ -110,8 +110,8 @@ def run_rung(url: str, kind: str, v: float, args: argparse.Namespace, name: str)
     result = run_benchmark(config_from_args(args, url, rate, cap), build_requests(args, n))
     load: Any = int(v) if kind == "concurrency" else (v if math.isfinite(v) else "inf")
     print(f"[{name}] {kind} {load}: {result['output_throughput']:.1f} out tok/s, "
-          f"TTFT p50 {result['median_ttft_ms'] or float('nan'):.0f} ms, "
-          f"TPOT p50 {result['median_tpot_ms'] or float('nan'):.1f} ms, failed {result['failed']}",
+          f"TTFT p50 {fmt(result['median_ttft_ms'], 0)} ms, "
+          f"TPOT p50 {fmt(result['median_tpot_ms'])} ms, failed {result['failed']}",
           file=sys.stderr, flush=True)
     return {"load": load, "num_prompts": n, "result": result}
 

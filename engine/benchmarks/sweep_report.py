@@ -12,7 +12,8 @@ import os
 from typing import Any
 
 
-def _fmt(v: Any, nd: int = 1) -> str:
+def fmt(v: Any, nd: int = 1) -> str:
+    """A number for a table or a log line; '-' where there is none (no streamed token: no TTFT)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if isinstance(v, float):
@@ -77,11 +78,11 @@ def markdown(sweep: dict[str, Any]) -> str:
         knee = c.get("knee") or {}
         knee_s = _load_label(knee["load"]) if knee.get("load") is not None else "not reached"
         failed = sum(p["result"]["failed"] for p in c["points"])
-        lines.append(f"| {c['name']} | {_fmt(low.get('median_ttft_ms'))} | {_fmt(low.get('median_tpot_ms'))} | "
-                     f"{_fmt(low.get('p95_tpot_ms'))} | {_fmt(low.get('median_itl_ms'))} | "
-                     f"{_fmt(low.get('median_e2el_ms'), 0)} | {_fmt(speed, 2)} | {knee_s} | "
-                     f"{_fmt(best['output_throughput'])} | {_fmt(ratio, 2)} | {_fmt(best['request_throughput'], 2)} | "
-                     f"{_fmt(mean_acceptance_length(c), 2)} | {failed} |")
+        lines.append(f"| {c['name']} | {fmt(low.get('median_ttft_ms'))} | {fmt(low.get('median_tpot_ms'))} | "
+                     f"{fmt(low.get('p95_tpot_ms'))} | {fmt(low.get('median_itl_ms'))} | "
+                     f"{fmt(low.get('median_e2el_ms'), 0)} | {fmt(speed, 2)} | {knee_s} | "
+                     f"{fmt(best['output_throughput'])} | {fmt(ratio, 2)} | {fmt(best['request_throughput'], 2)} | "
+                     f"{fmt(mean_acceptance_length(c), 2)} | {failed} |")
     for c in sweep["configs"]:
         if c.get("error"):
             lines.append(f"\n{c['name']}: failed: {c['error'].splitlines()[0]}")
@@ -93,11 +94,11 @@ def markdown(sweep: dict[str, Any]) -> str:
             r = p["result"]
             sd = r.get("spec_decode") or {}
             q = (r.get("server_load") or {}).get("mean_waiting")
-            lines.append(f"| {c['name']} | {_load_label(p['load'])} | {_fmt(r['output_throughput'])} | "
-                         f"{_fmt(r['request_throughput'], 2)} | {_fmt(r.get('median_ttft_ms'))} | "
-                         f"{_fmt(r.get('p95_ttft_ms'))} | {_fmt(r.get('median_tpot_ms'))} | "
-                         f"{_fmt(r.get('p95_tpot_ms'))} | {_fmt(q)} | "
-                         f"{_fmt(sd.get('mean_acceptance_length'), 2)} | {_fmt(sd.get('mean_chosen_depth'), 2)} | "
+            lines.append(f"| {c['name']} | {_load_label(p['load'])} | {fmt(r['output_throughput'])} | "
+                         f"{fmt(r['request_throughput'], 2)} | {fmt(r.get('median_ttft_ms'))} | "
+                         f"{fmt(r.get('p95_ttft_ms'))} | {fmt(r.get('median_tpot_ms'))} | "
+                         f"{fmt(r.get('p95_tpot_ms'))} | {fmt(q)} | "
+                         f"{fmt(sd.get('mean_acceptance_length'), 2)} | {fmt(sd.get('mean_chosen_depth'), 2)} | "
                          f"{r['failed']} |")
     return "\n".join(lines) + "\n"
 
