@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(sum(len(t) for t in _tables(b, args.prompt_len + args.steps + args.warmup + 1)) for b in batches)
     wcfg = WorkerConfig(target, num_blocks=blocks + 1, block_size=BLOCK)
     if not ray.is_initialized():
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     executors = {tp: RayExecutor(ParallelConfig(tensor_parallel_size=tp, backend="ray"), wcfg, None) for tp in (1, 2)}
     try:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                                     heads=4, kv_heads=4, intermediate=128)
     wcfg = WorkerConfig(target, num_blocks=8 * max(batches) + 1, block_size=16)
     if not ray.is_initialized():
-        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     rows = []
     for tp in tp_sizes:
