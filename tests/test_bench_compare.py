@@ -82,9 +82,22 @@ def test_the_adaptive_ratios_are_also_paired_within_each_repeat() -> None:
     """The machine's speed moves between repeats: adaptive 100 then 50 tokens per CPU-second, a fixed chain 50
     then 100 in the other order. The ratio of medians is 1.0 whatever happened within each repeat; the paired one
     shows each repeat's 2.0 and 0.5."""
-    from engine.benchmarks.compare import Row, paired
+    from engine.benchmarks.compare_report import Row, paired
 
     a = Row("specserve_adaptive", 0.8, 1, tokens=100, cpu_seconds=[1.0, 2.0, 1.0])
     k = Row("specserve_k6", 0.8, 1, tokens=100, cpu_seconds=[2.0, 1.0, 1.0])
     assert paired(a, k) == " [per repeat 2.00, 0.50, 1.00: median 1.00]"
     assert paired(Row("x", 0.0, 1, tokens=1, cpu_seconds=[1.0]), Row("y", 0.0, 1, tokens=1, cpu_seconds=[1.0])) == ""
+
+
+def test_prompts_for_a_model_without_a_tokenizer(tmp_path) -> None:
+    """The random pair has no tokenizer: a prompt file's text lines are skipped (they crashed the run), its token-id
+    lines are kept where they fit the vocabulary, and with none left the prompts are random ids."""
+    from engine.benchmarks.compare import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "def f():"}\n{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [5, 900]}\n')
+    assert load_prompts(str(path), None, 100, 3, 16) == [[5, 6, 7]] * 3
+    path.write_text('{"prompt": "def f():"}\n')
+    random_ids = load_prompts(str(path), None, 100, 2, 16)
+    assert len(random_ids) == 2 and all(0 < t < 100 for ids in random_ids for t in ids)
