@@ -94,10 +94,11 @@ class Curve:
     def ready(self) -> bool:
         return bool(self.points)
 
-    def scaled(self, x: float, shape: Curve) -> float:
+    def scaled(self, x: float, shape: Curve, lower: bool = False) -> float:
         """Predicted seconds at ``x``: this curve within its measured sizes; beyond them ``shape`` (a curve with
         more sizes), scaled to meet this one at its nearest measured end, and past its largest size never below
-        this curve's own extrapolation (the slope of its last two sizes) where it has two.
+        this curve's own extrapolation (the slope of its last two sizes) where it has two. ``lower``: instead,
+        on either side, the lower of the two where it has two (the draft's forwards: ``CostModel._draft_at``).
 
         Why the floor: the shape's curve mixes other batch sizes and prompt chunks (one sequence's many tokens are
         cheaper per token than many sequences' few). At batch 64 (larger random pair, CPU) the verify of 576
@@ -110,7 +111,11 @@ class Curve:
             return self(x)
         ref = shape(end)
         out = self(end) * shape(x) / ref if ref > 0 else self(x)
-        return max(out, self(x)) if x > hi and len(xs) >= 2 else out
+        if len(xs) < 2:
+            return out
+        if lower:
+            return min(out, self(x))
+        return max(out, self(x)) if x > hi else out
 
     def __call__(self, x: float) -> float:
         """Predicted seconds at ``x`` (0 for x <= 0)."""
@@ -335,14 +340,7 @@ class CostModel:
         one-token levels and steady first forwards: 4.9 and 6.1 ms, built-in draft) extrapolated to a catch-up of
         40 tokens over one sequence at 51 ms, where such a forward takes ~10: a single request then decoded plainly
         for its whole life (the catch-up grows while it does)."""
-        xs = [p.x for p in c.points.values()]
-        lo, hi = min(xs), max(xs)
-        if lo <= tokens <= hi:
-            return c(tokens)
-        end = lo if tokens < lo else hi
-        ref = self.draft(end)
-        shaped = c(end) * self.draft(tokens) / ref if ref > 0 else c(tokens)
-        return shaped if len(xs) < 2 else min(c(tokens), shaped)
+        return c.scaled(tokens, self.draft, lower=True)
 
 
 def curve_to_dict(c: Curve) -> dict:
