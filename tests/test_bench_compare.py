@@ -101,3 +101,64 @@ def test_prompts_for_a_model_without_a_tokenizer(tmp_path) -> None:
     path.write_text('{"prompt": "def f():"}\n')
     random_ids = load_prompts(str(path), None, 100, 2, 16)
     assert len(random_ids) == 2 and all(0 < t < 100 for ids in random_ids for t in ids)
+
+
+class _SteppingEngine:
+    """An engine whose every step takes ``step_s`` and finishes each request after ``steps`` of them."""
+
+    def __init__(self, name: str, step_s: float, steps: int, log: list[str]) -> None:
+        self.name, self.step_s, self.steps, self.log = name, step_s, steps, log
+        self.stats = SimpleNamespace(__init__=lambda: None)
+        self.times = SimpleNamespace(__init__=lambda: None, as_dict=dict)
+        self.pipeline, self.config, self.left = None, SimpleNamespace(speculative=None), {}
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.left[request_id] = (self.steps, prompt)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def step_finished(self):
+        import time
+
+        time.sleep(self.step_s)
+        self.log.append(self.name)
+        self.left = {k: (n - 1, p) for k, (n, p) in self.left.items()}
+        done = [SimpleNamespace(request_id=k, token_ids=[len(p)] * self.steps) for k, (n, p) in self.left.items()
+                if n == 0]
+        self.left = {k: v for k, v in self.left.items() if v[0] > 0}
+        return done
+
+
+def test_lockstep_alternates_the_modes_and_times_each_by_its_own_steps() -> None:
+    """``--lockstep``: one step of each mode in turn (the order rotating), each mode's seconds the sum of its own
+    steps only (a slow mode beside a fast one does not slow the fast one's figure), outputs in prompt order."""
+    from engine.benchmarks.compare import engine_lockstep
+    from engine.benchmarks.compare_report import Row
+
+    log: list[str] = []
+    llms = {"slow": SimpleNamespace(engine=_SteppingEngine("slow", 0.03, 3, log)),
+            "fast": SimpleNamespace(engine=_SteppingEngine("fast", 0.002, 5, log))}
+    rows = {m: Row(m, 0.0, 2) for m in llms}
+    outs = engine_lockstep(llms, [[[1], [1, 2]], [[1, 2, 3]]], 4, 0.0, rows)
+    # group 1: slow fast, fast slow, slow fast, then fast alone twice; group 2 alike
+    assert log == ["slow", "fast", "fast", "slow", "slow", "fast", "fast", "fast"] * 2
+    assert outs == {"slow": [[1] * 3, [2] * 3, [3] * 3], "fast": [[1] * 5, [2] * 5, [3] * 5]}
+    assert 0.18 <= rows["slow"].seconds[0] < 0.3, rows["slow"].seconds
+    assert rows["fast"].seconds[0] < 0.1, rows["fast"].seconds  # ~0.02 s; the whole run took ~0.2 s
+    assert len(rows["fast"].cpu_seconds) == 1
+
+
+def test_lockstep_on_the_random_pair_keeps_greedy_outputs(tmp_path) -> None:
+    """End to end: no speculation, a chain and the adaptive policy stepping in turn in one process give the same
+    greedy tokens (their engines share nothing), and the pipelined mode, which drafts between steps, runs alone."""
+    out = tmp_path / "c.json"
+    assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "3",
+                         "--temperatures", "0", "--max-tokens", "6", "--num-prompts", "3", "--repeats", "2",
+                         "--skip-hf", "--skip-floor", "--lockstep", "--modes",
+                         "specserve_nospec,specserve_chain,specserve_adaptive,specserve_pipelined",
+                         "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"specserve_nospec", "specserve_chain", "specserve_adaptive", "specserve_pipelined"}
+    assert all(len(r["cpu_seconds"]) == 2 and r["tok_cpu_s"] > 0 for r in rows.values())

@@ -19,6 +19,8 @@ on CPUs without AVX512-FP16, for transformers as for us.
 
     specserve bench compare --json runs/compare.json
     specserve bench compare --num-prompts 2 --max-tokens 16 --repeats 1      # a quick smoke run
+    specserve bench compare --batches 64 --num-prompts 64 --modes specserve_nospec,specserve_adaptive \
+        --skip-hf --skip-floor --unseeded --lockstep     # saturation, the modes step by step in turn
     specserve bench compare --target smollm2 --quantization none --draft smollm2 --draft-quantization gguf \
         --batches 1 --temperatures 0 --skip-hf    # a GGUF target, its own 4-bit copy drafting
 """
@@ -48,6 +50,10 @@ from engine.benchmarks.compare_report import (
 from engine.benchmarks.floor import measure_floor, report_floor
 from engine.config import DEFAULT_MODELS_DIR, default_model_dirs
 from scheduler.sampling_params import SamplingParams, is_greedy
+
+# Modes with a draft thread or process that works on between the engine's steps, or that change the process's
+# torch threads: timed by their own steps beside others, they would be credited with work done during others'.
+NOT_LOCKSTEP = ("specserve_pipelined", ALL_CORES_MODE, PROCESS_MODE, ALWAYS_MODE)
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -136,24 +142,22 @@ def full_vocab_view(model: Any, path: str) -> Any:
     return model
 
 
-def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
-               row: Row | None, seeded: bool = True) -> list[list[int]]:
-    """All groups through the engine, one generate call each; statistics of this run go into ``row``.
-    ``seeded``: fixed seeds per request (reproducible; the adaptive policy keeps seeded sampled requests at the
-    configured depth, so compare it unseeded)."""
+def _params(group: list[list[int]], i: int, max_tokens: int, temperature: float,
+            seeded: bool) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                           seed=1000 * i + j if seeded else None) for j in range(len(group))]
+
+
+def _reset_stats(llm: Any) -> None:
     eng = llm.engine
     eng.stats.__init__()
     eng.times.__init__()
     if eng.pipeline is not None:
         eng.pipeline.stats.__init__()
-    outs = []
-    for i, group in enumerate(groups):
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                                 seed=1000 * i + j if seeded else None)
-                  for j in range(len(group))]
-        outs += [o.token_ids for o in llm.generate(group, params)]
-    if row is None:
-        return outs
+
+
+def _collect_stats(llm: Any, row: Row) -> None:
+    eng = llm.engine
     row.breakdown = eng.times.as_dict()
     row.pipeline = ({**eng.pipeline.stats.as_dict(), "switch": eng.pipeline.switch.as_dict()}
                     if eng.pipeline is not None else None)
@@ -163,8 +167,60 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
         drafted = s.get("drafted_tokens") or 0
         row.acceptance_rate.append(s.get("accepted_tokens", 0) / drafted if drafted else 0.0)
         row.chosen_depths, row.mean_chosen_depth = s["chosen_depths"], s["mean_chosen_depth"]
+
+
+def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, temperature: float,
+               row: Row | None, seeded: bool = True) -> list[list[int]]:
+    """All groups through the engine, one generate call each; statistics of this run go into ``row``.
+    ``seeded``: fixed seeds per request (reproducible; the adaptive policy keeps seeded sampled requests at the
+    configured depth, so compare it unseeded)."""
+    _reset_stats(llm)
+    outs = []
+    for i, group in enumerate(groups):
+        outs += [o.token_ids for o in llm.generate(group, _params(group, i, max_tokens, temperature, seeded))]
+    if row is not None:
+        _collect_stats(llm, row)
     return outs
 
+
+def engine_lockstep(llms: dict[str, Any], groups: list[list[list[int]]], max_tokens: int, temperature: float,
+                    rows: dict[str, Row], seeded: bool = True) -> dict[str, list[list[int]]]:
+    """``--lockstep``: every mode's engine takes one step in turn (the order rotating each turn) until all of a
+    group's requests finish in all of them, then the next group. Each mode's row gets the wall and CPU seconds of
+    its own steps only, so a drift of the machine's speed over the run (on the 2-core machine no speculation ran
+    68 then 85 tok/s in two served repeats a minute apart) falls on every mode alike; the modes' runs interleaved
+    whole (``--repeats``) are minutes apart at batch 64. Only modes that do nothing between their steps can run so
+    (no draft thread or process working on while another mode steps)."""
+    outs: dict[str, list[list[int]]] = {m: [] for m in llms}
+    wall = dict.fromkeys(llms, 0.0)
+    cpu = dict.fromkeys(llms, 0.0)
+    for llm in llms.values():
+        _reset_stats(llm)
+    for i, group in enumerate(groups):
+        params = _params(group, i, max_tokens, temperature, seeded)
+        done: dict[str, dict[str, list[int]]] = {m: {} for m in llms}
+        for llm in llms.values():
+            for j, (p, sp) in enumerate(zip(group, params, strict=True)):
+                llm.engine.add_request(str(j), p, sp)
+        order, turn = list(llms), 0
+        while any(llm.engine.has_unfinished for llm in llms.values()):
+            for m in order[turn % len(order):] + order[:turn % len(order)]:
+                eng = llms[m].engine
+                if not eng.has_unfinished:
+                    continue
+                t0, c0 = time.perf_counter(), time.process_time()
+                finished = eng.step_finished()
+                wall[m] += time.perf_counter() - t0
+                cpu[m] += time.process_time() - c0
+                done[m].update((o.request_id, o.token_ids) for o in finished)
+            turn += 1
+        for m in llms:
+            outs[m] += [done[m][str(j)] for j in range(len(group))]
+    for m, llm in llms.items():
+        rows[m].seconds.append(wall[m])
+        rows[m].cpu_seconds.append(cpu[m])
+        _collect_stats(llm, rows[m])
+    return outs
 
 
 def one_core_per_role() -> dict:
@@ -200,6 +256,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="sampled requests without seeds (seeded ones keep the configured depth under adaptive)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the tables show medians)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="the engine modes step in turn, one step each, and each is timed by its own steps (the "
+                         "machine's drift falls on all alike); the pipelined, all-cores and HF modes still run "
+                         "alone")
     ap.add_argument("--modes", default=",".join(HF_MODES + ENGINE_MODES), help="comma-separated subset")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in this process")
     ap.add_argument("--dtype", default="float32", help="compute dtype for transformers and specserve")
@@ -327,23 +387,31 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                 else:
                     runs[m](None) if m == ALL_CORES_MODE else engine_run(llms[m], groups[:1], 2, temp, None)
             group_rows = {m: Row(m, temp, batch) for m in runs}
-            order = list(runs)  # not ``modes``: a group may skip some (HF assisted runs batch 1 only)
+            # Units run in turn: each mode alone, or with --lockstep the modes that can all in one unit, step by
+            # step (not ``modes``: a group may skip some, HF assisted runs batch 1 only).
+            lock = [m for m in runs if args.lockstep and m in llms and m not in NOT_LOCKSTEP]
+            units = [[m] for m in runs if m not in lock] + ([lock] if lock else [])
             for rep in range(args.repeats):
                 # Rotating order (A B C, B C A, ...): the machine drifts, and a mode's place is not neutral. Run
                 # first in every repeat, no speculation measured 0.76-0.83x the adaptive policy at batch 64, T=0.8
                 # (larger random pair) while the policy ran plain decode throughout: the same work, which side by
                 # side in one process, in turn, measured alike.
-                for m in order[rep % len(order):] + order[:rep % len(order)]:
-                    fn = runs[m]
-                    row = group_rows[m]
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    out = fn(row)
-                    row.seconds.append(time.perf_counter() - t0)
-                    row.cpu_seconds.append(time.process_time() - c0)
-                    row.tokens, row.outputs = sum(len(o) for o in out), out
-                    print(f"  T={temp} batch={batch} repeat {rep + 1}/{args.repeats} {m:<24} "
-                          f"{row.tokens / row.seconds[-1]:8.1f} tok/s {row.tokens / row.cpu_seconds[-1]:8.1f} "
-                          f"tok/cpu-s  load {os.getloadavg()[0]:.1f}", flush=True)
+                for unit in units[rep % len(units):] + units[:rep % len(units)]:
+                    if unit is lock:
+                        outs = engine_lockstep({m: llms[m] for m in unit}, groups, n, temp, group_rows,
+                                               not args.unseeded)
+                    else:
+                        row = group_rows[unit[0]]
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        outs = {unit[0]: runs[unit[0]](row)}
+                        row.seconds.append(time.perf_counter() - t0)
+                        row.cpu_seconds.append(time.process_time() - c0)
+                    for m, out in outs.items():
+                        row = group_rows[m]
+                        row.tokens, row.outputs = sum(len(o) for o in out), out
+                        print(f"  T={temp} batch={batch} repeat {rep + 1}/{args.repeats} {m:<24} "
+                              f"{row.tokens / row.seconds[-1]:8.1f} tok/s {row.tokens / row.cpu_seconds[-1]:8.1f} "
+                              f"tok/cpu-s  load {os.getloadavg()[0]:.1f}", flush=True)
             ref = group_rows.get("hf_generate")
             if ref is not None and is_greedy(temp):
                 for row in group_rows.values():

@@ -111,7 +111,8 @@ def paired(r: Row, base: Row) -> str:
 def report(args: argparse.Namespace, rows: list[Row], summary: dict) -> None:
     print(f"\ntarget {args.target}\ndraft  {args.draft}\n{args.num_prompts} prompts, {args.max_tokens} tokens each, "
           f"chain K={args.k}, tree {args.tree}, dtype {args.dtype}, {args.threads} thread(s), median of "
-          f"{args.repeats} repeat(s)\n")
+          f"{args.repeats} repeat(s)"
+          f"{' (engine modes in lockstep: each timed by its own steps, taken in turn)' if args.lockstep else ''}\n")
     print(f"{'T':>4} {'batch':>5} {'mode':<28} {'tok/s':>8} {'acc.len':>7} {'acc.rate':>8} {'K mean':>6} "
           f"{'vs chain':>8} {'vs nospec':>9} {'vs HF-asst':>10} {'vs HF-gen':>9} {'greedy=HF':>9}")
     for r in rows:
