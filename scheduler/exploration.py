@@ -5,7 +5,8 @@ step of a plan it is not using (plain decode or the configured depth while it sp
 configured shape on a few requests, as many candidates as chains of 1 or of half the depth for everyone) when
 that size was not measured lately at this batch size: after 8 to ``explore_every`` steps, sooner the less time
 the step is predicted to lose against the chosen plan (~3 % of the time spent exploring when the prediction is
-right, less where an exploration step is many chosen steps long; a wrong one, e.g. a size first measured while
+right, less where an exploration step is many chosen steps long, or, from plain decode, where it is predicted far
+slower than plain decode; a wrong one, e.g. a size first measured while
 another process ran, is corrected in tens of steps where exploring is cheap), and further apart each time a
 re-measurement finds the price where it was.
 
@@ -55,6 +56,9 @@ class Exploration:
     # the configured depth is 1-3 steps long, and a wrong curve there (one measured while another process ran was
     # 2.7x too dear) is corrected at little cost.
     explore_floor: float = 0.67
+    # While plain decode runs, an exploration's budget is scaled by (its plan's steady rate / plain decode's) to
+    # this power (``_odds``); 0: every plan gets the whole budget.
+    explore_odds: float = 2.0
     explored_steps: int = 0  # steps that ran an exploration
 
     if TYPE_CHECKING:  # the planner's (scheduler/adaptive.py), used here
@@ -95,16 +99,30 @@ class Exploration:
                 return c
             if alternatives or rec.age >= self.explore_min or not rec.measured:
                 cost = self.price(real, c)
-                if (cost.seconds > self.explore_stall * chosen.seconds
-                        and self.price(rs, c).rate < self.explore_floor * chosen.rate):
+                steady = self.price(rs, c).rate
+                if cost.seconds > self.explore_stall * chosen.seconds and steady < self.explore_floor * chosen.rate:
                     continue  # dear, and only a curve wrong by 1 / explore_floor could make it the better plan
                 backoff = 2 ** min(self.explore_backoff, rec.confirms)
                 interval = backoff * self._explore_interval(chosen, cost, rec.measured)
+                if alternatives and rec.measured:
+                    interval /= self._odds(steady, chosen.rate)
                 timed.append((min(self.explore_every, interval), rec.age, c))
         if timed and alternatives:  # the one that loses less
             timed = [min(timed, key=lambda t: t[0])]
         due = [(a / max(interval, 1.0), c) for interval, a, c in timed if a >= interval]
         return max(due, key=lambda t: t[0])[1] if due else None
+
+    def _odds(self, rate: float, chosen_rate: float) -> float:
+        """While plain decode runs, an exploration's share of the budget: (its plan's steady rate / plain
+        decode's) ** explore_odds, at most 1. From plain decode an exploration is a bet that a curve is wrong by
+        chosen / rate, and a size already measured at this batch size is rarely that far off: at batch 64 (larger
+        random pair, greedy, one 48-token wave a run) a few requests at depth 8 were predicted at ~0.55x plain
+        decode's rate; explored every ~70 steps by the budget alone, each one (~2.5 plain steps long with its
+        draft's catch-up) left single runs at 0.94x no speculation, the runs without one at 1.01-1.02x (``bench
+        compare --lockstep``). Near a tie (0.9x: 0.81 of the budget) it is explored almost as often as before."""
+        if chosen_rate <= 0:
+            return 1.0
+        return max(0.01, min(1.0, rate / chosen_rate)) ** self.explore_odds
 
     def _few_speculate(self, rs: Sequence[_Req], fixed: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
         """While plain decode runs, the explorations: about as many candidate nodes as chains of 1 for everyone,

@@ -315,9 +315,20 @@ def test_an_exploration_many_steps_long_spends_less_than_the_budget(stall: float
     is ~8 plain steps long, a stall every stream of the batch feels. It gets the budget scaled by 3 / its length
     in steps: one exploration in 600 steps, 1.1 % of the time; the control (no scaling) explores twice, 2.2 %."""
     explored, share = exploring_share(steps=600, behind=200, explore_stall=stall, explore_every=10**6,
-                                      explore_floor=0.0)  # (the floor alone would skip it: test_a_dear_plan_...)
+                                      explore_floor=0.0,  # (the floor alone would skip it: test_a_dear_plan_...)
+                                      explore_odds=0.0)  # (and so would the odds: the test below)
     assert explored >= 1, explored
     assert (share < 0.015) == (stall == 3.0), share
+
+
+@pytest.mark.parametrize("odds", [2.0, 0.0])
+def test_from_plain_decode_a_plan_predicted_far_slower_is_explored_less_often(odds: float) -> None:
+    """Saturation (the setup above, drafts caught up, no backoff): the few requests an exploration speculates on
+    are predicted at ~0.6x plain decode's rate, so it gets ~0.35 of the budget: 11 explorations in 1000 steps,
+    1.3 % of the time. The control (every plan the whole budget) explores 31 times, 3.7 %."""
+    explored, share = exploring_share(steps=1000, explore_every=10**6, explore_odds=odds, explore_backoff=0)
+    assert explored >= 1, explored
+    assert (share < 0.02) == (odds == 2.0), (explored, share)
 
 
 def test_while_plain_decode_runs_a_few_requests_explore() -> None:
