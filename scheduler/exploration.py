@@ -5,10 +5,10 @@ step of a plan it is not using (plain decode or the configured depth while it sp
 configured shape on a few requests, as many candidates as chains of 1 or of half the depth for everyone) when
 that size was not measured lately at this batch size: after 8 to ``explore_every`` steps, sooner the less time
 the step is predicted to lose against the chosen plan (~3 % of the time spent exploring when the prediction is
-right, less where an exploration step is many chosen steps long, or, from plain decode, where it is predicted far
-slower than plain decode; a wrong one, e.g. a size first measured while
-another process ran, is corrected in tens of steps where exploring is cheap), and further apart each time a
-re-measurement finds the price where it was.
+right, less where an exploration step is many chosen steps long, or, from plain decode, where its plan is
+predicted far slower than plain decode; a wrong one, e.g. a size first measured while another process ran, is
+corrected in tens of steps where exploring is cheap), and further apart each time a re-measurement finds the
+price where it was.
 
 ``Exploration`` is the policy's base class: its settings are the policy's keyword fields, and its methods price
 with the planner's own ``price``, pinned rounds and regime curves.
