@@ -151,8 +151,8 @@ def test_lockstep_alternates_the_modes_and_times_each_by_its_own_steps() -> None
 
 
 def test_lockstep_on_the_random_pair_keeps_greedy_outputs(tmp_path) -> None:
-    """End to end: no speculation, a chain and the adaptive policy stepping in turn in one process give the same
-    greedy tokens (their engines share nothing), and the pipelined mode, which drafts between steps, runs alone."""
+    """End to end: no speculation, a chain and the adaptive policy stepping in turn in one process, the pipelined
+    mode (which drafts between steps) alone; and two engines stepping in turn give the same greedy tokens."""
     out = tmp_path / "c.json"
     assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "3",
                          "--temperatures", "0", "--max-tokens", "6", "--num-prompts", "3", "--repeats", "2",
@@ -162,3 +162,19 @@ def test_lockstep_on_the_random_pair_keeps_greedy_outputs(tmp_path) -> None:
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"specserve_nospec", "specserve_chain", "specserve_adaptive", "specserve_pipelined"}
     assert all(len(r["cpu_seconds"]) == 2 and r["tok_cpu_s"] > 0 for r in rows.values())
+    # The same engines' outputs, stepping in turn.
+    from engine.benchmarks.compare import engine_lockstep
+    from engine.benchmarks.compare_report import Row
+    from engine.llm import LLM
+
+    target, draft = (str(tmp_path / "pairs" / "64x3x128-accepting" / m) for m in ("target", "draft"))
+    chain = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+    llms = {"nospec": LLM(target, "none", max_num_seqs=3, num_kv_tokens=256),
+            "chain": LLM(target, chain, max_num_seqs=3, num_kv_tokens=256)}
+    try:
+        outs = engine_lockstep(llms, [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13]]], 6, 0.0,
+                               {m: Row(m, 0.0, 2) for m in llms})
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    assert outs["nospec"] == outs["chain"] and [len(o) for o in outs["chain"]] == [6, 6, 6], outs
