@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from engine.benchmarks.compare import engine_run
 from engine.benchmarks.compare import main as compare_main
+from engine.benchmarks.engine_runs import engine_run
 from engine.benchmarks.random_pair import make_random_pair, parse_shape
 
 
@@ -134,8 +134,8 @@ class _SteppingEngine:
 def test_lockstep_alternates_the_modes_and_times_each_by_its_own_steps() -> None:
     """``--lockstep``: one step of each mode in turn (the order rotating), each mode's seconds the sum of its own
     steps only (a slow mode beside a fast one does not slow the fast one's figure), outputs in prompt order."""
-    from engine.benchmarks.compare import engine_lockstep
     from engine.benchmarks.compare_report import Row
+    from engine.benchmarks.engine_runs import engine_lockstep
 
     log: list[str] = []
     llms = {"slow": SimpleNamespace(engine=_SteppingEngine("slow", 0.03, 3, log)),
@@ -163,8 +163,8 @@ def test_lockstep_on_the_random_pair_keeps_greedy_outputs(tmp_path) -> None:
     assert set(rows) == {"specserve_nospec", "specserve_chain", "specserve_adaptive", "specserve_pipelined"}
     assert all(len(r["cpu_seconds"]) == 2 and r["tok_cpu_s"] > 0 for r in rows.values())
     # The same engines' outputs, stepping in turn.
-    from engine.benchmarks.compare import engine_lockstep
     from engine.benchmarks.compare_report import Row
+    from engine.benchmarks.engine_runs import engine_lockstep
     from engine.llm import LLM
 
     target, draft = (str(tmp_path / "pairs" / "64x3x128-accepting" / m) for m in ("target", "draft"))
