@@ -193,7 +193,7 @@ class AdaptivePolicy(PlanSearch, Exploration):
                 self._clear[clear] = self.clear_steps
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
-        explore = None if prefill else self._exploration(rs, best, fixed)
+        explore = self._exploration(rs, best, fixed, prefill)
         if explore is not None:
             self.explored_steps += 1
             return explore

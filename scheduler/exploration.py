@@ -60,6 +60,10 @@ class Exploration:
     # this power (``_odds``); 0: every plan gets the whole budget.
     explore_odds: float = 2.0
     explored_steps: int = 0  # steps that ran an exploration
+    # Whether the chosen plan speculates, and steps since that last changed: the candidates differ on either side
+    # (``_exploration``), and a size never measured at this batch size counts its age from when it became one.
+    _speculating: bool | None = None
+    _mode_steps: int = 0
 
     if TYPE_CHECKING:  # the planner's (scheduler/adaptive.py), used here
         base: SpecPolicy
@@ -69,15 +73,26 @@ class Exploration:
         def price(self, rs: Sequence[_Req], shapes: Sequence[tuple[int, ...]]) -> _Plan: ...
         def _pinned_verify(self) -> int: ...
 
-    def _exploration(self, rs: Sequence[_Req], chosen: _Plan, fixed: list[tuple[int, ...]]
+    def _exploration(self, rs: Sequence[_Req], chosen: _Plan, fixed: list[tuple[int, ...]], prefill: bool = False
                      ) -> list[tuple[int, ...]] | None:
         """One step of a plan not in use (plain decode or the configured depth while speculating; else a few
         requests at the configured shape, ``_few_speculate``) when its verify size, at this batch size, was not
         measured for ``_explore_interval`` steps (the most overdue one). Nothing is priced on the steps where no
         candidate's size is old enough to be due. Exploring only plain decode while speculating left the deeper
         sizes as first measured: at batch 1 a 7-token verify measured at 17.4 ms (really ~13.6) kept the policy at
-        chains of 2 for 47 steps, where chains of 6 ran 1.3x faster."""
-        if any(chosen.shapes):  # plain decode, and the configured depth: sizes above today's go stale too
+        chains of 2 for 47 steps, where chains of 6 ran 1.3x faster.
+
+        A size never measured at this batch size is as old as the batch size's curve, but no older than the
+        steps since the chosen plan last started or stopped speculating (when it became a candidate): counted
+        from the curve alone, the configured depth for everyone was due on the first step that speculated at
+        batch 32 (larger random pair, T = 0.8), one 3.3 s step where a plain one took 0.25 s.
+        ``prefill``: the step shares prompt chunks; it explores nothing (``_plan_free``) but counts."""
+        speculating = any(chosen.shapes)
+        self._mode_steps = self._mode_steps + 1 if speculating == self._speculating else 0
+        self._speculating = speculating
+        if prefill:
+            return None
+        if speculating:  # plain decode, and the configured depth: sizes above today's go stale too
             cands = [[()] * len(rs), fixed]
         else:
             cands = self._few_speculate(rs, fixed)
@@ -86,13 +101,15 @@ class Exploration:
         nseqs = len(rs) + len(self._pinned)
         sizes = [sum(r.inflight for r in rs) + pinned + sum(self.base.num_nodes(len(s)) for s in c) for c in cands]
         records = [self._cost.verify_record(v, nseqs) for v in sizes]
+        records = [r if r.measured or r.age is None else r._replace(age=min(r.age, self._mode_steps))
+                   for r in records]
         if all(r.age is not None and r.age < self.explore_min and r.measured for r in records):
             return None  # the common step: no candidate can be due (a measured size's interval is >= explore_min)
         # Priced with the draft's real catch-up: a request that decoded plainly feeds the draft every token since
         # its last round (its whole prefix the first time), and each exploration pays that again. At batch 64 on
         # the larger random pair that was 530-850 ms of the 1.9 s exploration step, 6x a plain step's 0.3 s.
         real = [dataclasses.replace(r, lag=r.catchup, steady=False) for r in rs]
-        alternatives = not any(chosen.shapes)  # two depths, either of which measures what plain decode lacks
+        alternatives = not speculating  # two depths, either of which measures what plain decode lacks
         timed = []  # (interval, age, shapes)
         for c, rec in zip(cands, records, strict=True):
             if rec.age is None:

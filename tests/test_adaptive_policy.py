@@ -1020,3 +1020,35 @@ def test_caps_whose_prefixes_were_all_priced_are_not_priced_again(monkeypatch: p
         if len(views) == 1:
             assert (n_calls, len(calls)) == (1, K_MAX)
     assert any(any(plan.shapes) for plan, _ in fast) and any(not any(plan.shapes) for plan, _ in fast)
+
+
+def test_a_size_first_priced_when_speculation_starts_is_not_explored_at_once() -> None:
+    """Batch 32, verify 0.2 s + 0.1 s per 32 tokens: at acceptance 0.2 plain decode runs for 150 steps; taught
+    0.6, chains of 1 take over. The configured depth for everyone (288 tokens, 1.1 s) was never measured at this
+    batch size, and its age used to count from the batch size's first step, so it was due, and run, on the
+    first step that speculated (at batch 32 on the larger random pair: one 3.3 s step). It becomes a candidate
+    when speculation starts: its age counts from there, so its exploration waits its interval (~40 steps here)
+    and still comes."""
+    verify = lambda n: 0.2 + 0.1 * n / 32  # noqa: E731
+    p = policy(costs(verify=verify, draft=lambda n: 0.001 * n, state=lambda n: 0.0), explore_every=256,
+               explore_min=8, explore_floor=0.0)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.2, seed=r.seq_id)
+    depths, nodes = [], []
+    for step in range(300):
+        if step == 150:
+            for r in reqs:
+                teach(p, r, 0.6, seed=r.seq_id)
+        shapes = p.plan(reqs)
+        depths.append(max(map(len, shapes)))
+        nodes.append(sum(map(len, shapes)))
+        fwd = [sum(len(s) > f for s in shapes) for f in range(depths[-1])]
+        t = 32 + nodes[-1]
+        p.observe_step(StepSample(t, verify(t), fwd, 0.001 * sum(fwd), False, 32, 0.0))
+    full = 32 * K_MAX
+    assert full not in nodes[:150] and depths[:150].count(0) > 120, depths[:150]
+    start = next(i for i in range(150, 300) if nodes[i])  # the first step that speculates
+    assert nodes[start:].count(32) > 100, nodes[150:]
+    first = nodes.index(full, start) if full in nodes[start:] else None
+    assert first is not None and first - start >= 20, (start, first, nodes[150:])
