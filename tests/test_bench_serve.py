@@ -172,8 +172,11 @@ def test_send_times_follow_the_arrival_process(stub):
     r = run_benchmark(cfg, _requests(12))
     want = arrival_offsets(12, 25.0, 0.5, seed=3)
     late = [rec["send_time"] - w for rec, w in zip(r["requests"], want, strict=True)]
-    # never early; late only by the event loop's wake-up (deadlines, so lateness does not add up)
-    assert min(late) >= 0 and statistics.median(late) < 0.015 and max(late) < 0.1, late
+    # never early; late only by the event loop's wake-up (deadlines, so lateness does not add up). On a loaded
+    # 2-core CI machine one wake-up can stall for a few hundred ms (CI saw 255 ms once), so the bound is on
+    # the three-quarters that were on time, not on the worst one.
+    on_time = sorted(late)[: len(late) * 3 // 4]
+    assert min(late) >= 0 and max(on_time) < 0.015 and max(late) < 1.0, late
 
 
 def test_timeouts_fail_and_are_kept():
