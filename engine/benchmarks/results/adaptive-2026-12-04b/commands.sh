@@ -13,3 +13,5 @@ python -c "from engine.benchmarks.random_pair import make_random_pair; make_rand
 P="--target runs/random-pair/target --draft runs/random-pair/draft"
 SPECSERVE_CACHE_DIR=$(mktemp -d) specserve bench compare $P --num-prompts 4 --max-tokens 48 --batches 1 --temperatures 0,0.8 --repeats 3 $C > $R/random-b1.txt
 SPECSERVE_CACHE_DIR=$(mktemp -d) specserve bench compare $P --num-prompts 64 --max-tokens 48 --batches 32,64 --temperatures 0,0.8 --repeats 1 $C > $R/random-saturation.txt
+# Batch 32 on the built-in pair again, 5 repeats, with the fixed chains around the best (after the diagnosis).
+SPECSERVE_CACHE_DIR=$(mktemp -d) specserve bench compare --num-prompts 64 --max-tokens 64 --batches 32 --temperatures 0.8,0 --repeats 5 --unseeded --skip-hf --skip-floor --threads 1 --lockstep --modes specserve_nospec,specserve_adaptive --fixed-ks 4,5,6 > $R/builtin-b32-5repeats.txt
