@@ -5,8 +5,8 @@ exploration), the plan's predicted tokens and ms, and the predicted (tokens, ms)
 
     OMP_NUM_THREADS=1 python engine/benchmarks/results/adaptive-2026-12-04b/diag/steps.py MODE T BATCH REPEATS
 
-MODE: ``adaptive`` (K_max 8, the default policy), ``forced4`` (the same engine with every round at depth 4) or
-``k4`` (a fixed chain of 4, ``"adaptive": false``). Each repeat ends with its totals.
+MODE: ``adaptive`` (K_max 8, the default policy), ``forced<N>`` (the same engine with every round at depth N, e.g.
+``forced4``) or ``k4`` (a fixed chain of 4, ``"adaptive": false``). Each repeat ends with its totals.
 """
 
 import collections
@@ -32,8 +32,8 @@ eng = LLM(f"{d}/target", spec, max_num_seqs=64, num_kv_tokens=64 * 600).engine
 plan: dict = {}
 if adaptive:
     pol = eng.scheduler.policy
-    if mode == "forced4":
-        pol.forced = (1, 1, 1, 1)
+    if mode.startswith("forced"):
+        pol.forced = (1,) * int(mode.removeprefix("forced"))
     plan_free = pol._plan_free
 
     def traced(rs, fixed, prefill=False):
