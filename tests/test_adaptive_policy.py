@@ -7,6 +7,7 @@ its measured acceptance pays; the choice does not flap on noisy measurements (an
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -1020,6 +1021,41 @@ def test_caps_whose_prefixes_were_all_priced_are_not_priced_again(monkeypatch: p
         if len(views) == 1:
             assert (n_calls, len(calls)) == (1, K_MAX)
     assert any(any(plan.shapes) for plan, _ in fast) and any(not any(plan.shapes) for plan, _ in fast)
+
+
+def test_the_search_prices_each_size_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caps' searches meet the same draft-forward and verify sizes again; each is priced once per search
+    (the curves do not move during it), and the chains found are those of pricing every size each time."""
+    p = policy(costs(verify=lambda n: 20 * MS + 0.05 * MS * n, draft=lambda n: 1 * MS + 0.02 * MS * n))
+    reqs = requests(32)
+    rng = random.Random(3)
+    for r in reqs:
+        teach(p, r, rng.uniform(0.5, 0.95), seed=r.seq_id)
+    views = [p._view(r, p.acceptance.engine_rates(True, K_MAX)) for r in reqs]
+    p._cost, p._pinned = p.cost, []
+    calls = collections.Counter()  # of the caps' searches (``_best_prefix``)
+    searching = [False]
+    for name in ("draft_forward", "verify_seconds"):
+        real = getattr(p.cost, name)
+        monkeypatch.setattr(p.cost, name, lambda *a, real=real, name=name: (
+            searching[0] and calls.update([(name, *a)])) or real(*a))
+    real_prefix = AdaptivePolicy._best_prefix
+
+    def search(self, *a):
+        searching[0] = True
+        try:
+            return real_prefix(self, *a)
+        finally:
+            searching[0] = False
+
+    monkeypatch.setattr(AdaptivePolicy, "_best_prefix", search)
+    memo_plan = p.best_chains(views)
+    assert len(calls) > 50 and max(calls.values()) == 1, calls.most_common(3)
+    monkeypatch.setattr(AdaptivePolicy, "_best_prefix", lambda self, rs, cut, base, memo: real_prefix(
+        self, rs, cut, base, {}))  # a fresh memo for every cap: sizes priced again
+    again = p.best_chains(views)
+    assert (again.shapes, again.tokens, again.seconds) == (memo_plan.shapes, memo_plan.tokens, memo_plan.seconds)
+    assert any(memo_plan.shapes)
 
 
 def test_a_size_first_priced_when_speculation_starts_is_not_explored_at_once() -> None:
