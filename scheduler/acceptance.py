@@ -11,6 +11,7 @@ their own counts (a level with w siblings accepts more often than a chain's sing
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DEFAULT_RATE = 0.7  # before anything is measured (the pipelined drafter's prior too)
@@ -83,8 +84,8 @@ class _Spread:
         mu = self.mean
         noise = mu * (1.0 - mu) * self.inv_rounds
         spread = self.mean_sq - mu * mu - noise
-        if spread <= mu * (1.0 - mu) / (hi + 1.0):  # no measurable spread (or none at all): the most weight
-            return hi
+        if spread <= mu * (1.0 - mu) / (hi + 1.0):  # no measurable spread (or none at all): the engine's rates
+            return math.inf
         return max(lo, mu * (1.0 - mu) / spread - 1.0)
 
 
@@ -150,9 +151,16 @@ class AcceptanceTracker:
 
         Empirical Bayes on the first position: the requests' rates scatter by their real spread tau^2 plus each
         one's binomial noise, so tau^2 = var(rate_i) - mean(mu (1 - mu) / rounds_i), and a Beta prior of that
-        spread is worth mu (1 - mu) / tau^2 - 1 rounds; kept within [2, 32]. From the last ~20 finished requests
-        (with at least 4 drafting rounds each), or the running ones while fewer than 4 have finished; 8 while
-        neither has two requests.
+        spread is worth mu (1 - mu) / tau^2 - 1 rounds, at least 2. From the last ~20 finished requests (with at
+        least 4 drafting rounds each), or the running ones while fewer than 4 have finished; 8 while neither has two
+        requests.
+
+        Over 32 (a spread too small to measure): infinite, every request of the regime planned from the engine's
+        rates. A request remembers ~5 rounds (``request_decay``), so past 32 its own rounds were under a seventh of
+        its estimate and moved its plan by their noise only: on the built-in pair at batch 32 (greedy, in lockstep
+        with a fixed chain of 4; engine/benchmarks/results/adaptive-2026-12-04c/) the engine's rates ran 0.96-0.97x
+        the chain where weight 32 ran 0.93-0.95x in the same runs, and 256 (the estimate itself, ~59) 0.96x
+        against 0.95x.
 
         Measured (fixed K = 8, every round scored): on the built-in pair the requests are alike (greedy: this
         estimate ~59, T = 0.8 ~440; SmolLM2 with its draft ~18), and the log loss of the per-position predictions
@@ -208,9 +216,9 @@ class AcceptanceTracker:
         if prior is None or len(prior) < depth:
             prior = self.engine_rates(greedy, depth, widths)
         own = self._requests.get((seq_id, widths is not None))
-        if own is None:
-            return prior[:depth]
         weight = self.request_weight(greedy)
+        if own is None or math.isinf(weight):
+            return prior[:depth]
         return [own.rate(j, prior[j], weight) for j in range(depth)]
 
     def seen_rounds(self, greedy: bool) -> int:

@@ -8,6 +8,7 @@ its measured acceptance pays; the choice does not flap on noisy measurements (an
 from __future__ import annotations
 
 import collections
+import math
 import random
 
 import pytest
@@ -651,6 +652,25 @@ def test_alike_requests_make_one_miss_weigh_little() -> None:
     _finish(fixed, range(0, 16), 0.9)
     fixed.observe(100, True, False, 4, 0)
     assert fixed.rates(100, True, 4, prior=fixed.engine_rates(True, 4))[0] < prior[0] - 0.25  # the control
+
+
+def test_requests_too_alike_to_tell_apart_are_planned_from_the_engines_rates() -> None:
+    """Requests that all accept 0.9 at every position: no spread to measure, so a request's own misses (at the
+    first position, and a run of them deeper) leave its plan on the engine's rates: the depth-4 chains of a batch
+    are all alike. Weighing its ~5 remembered rounds against 32 of the engine's (as before) moved its estimates by
+    their noise: on the built-in pair at batch 32 that cost 2-3 % against planning from the engine's rates."""
+    t = AcceptanceTracker()
+    _finish(t, range(0, 16), 0.9)
+    assert t.request_weight(True) == math.inf
+    t.observe(100, True, False, 4, 0)
+    for _ in range(3):
+        t.observe(101, True, False, 4, 2)
+    prior = t.engine_rates(True, 4)
+    assert t.rates(100, True, 4, prior=prior) == prior == t.rates(101, True, 4, prior=prior)
+    capped = AcceptanceTracker(request_prior_weight=32.0)  # the control: the old most weight
+    _finish(capped, range(0, 16), 0.9)
+    capped.observe(100, True, False, 4, 0)
+    assert capped.rates(100, True, 4, prior=capped.engine_rates(True, 4))[0] < prior[0] - 0.01
 
 
 def test_requests_that_differ_keep_their_own_rates() -> None:
