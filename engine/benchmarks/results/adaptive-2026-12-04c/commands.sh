@@ -22,3 +22,4 @@ python -c "from engine.benchmarks.random_pair import make_random_pair; make_rand
 PAIR=random SPECSERVE_CACHE_DIR=$(mktemp -d) python $R/kmax.py 0 32 3 nospec,a8,c8 > $R/alike-random-t0-b32.txt
 PAIR=random SPECSERVE_CACHE_DIR=$(mktemp -d) python $R/kmax.py 0.8 32 3 nospec,a8,c8 > $R/alike-random-t08-b32.txt
 python $R/memo_timing.py > $R/memo_timing.txt  # the plan search with its memo (cdb36a7) and without
+SPECSERVE_CACHE_DIR=$(mktemp -d) python $R/kmax.py 0 32 3 a8,a6,a4,k4 > $R/kmax-after-t0-b32.txt  # after e9c6e7d
