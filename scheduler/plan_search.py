@@ -165,7 +165,7 @@ class PlanSearch:
         best_rate, best_cut = plain_rate, []
         deepest = max((j for _, j, _ in cands), default=-1) + 1
         priced: list[tuple[float, int, int]] | None = None  # a cut whose every prefix was priced (stride 1)
-        memo: dict[str, dict] = {}  # prices of sizes, shared by the caps' searches (``_best_prefix``)
+        memo: dict[int | tuple[float, int], float] = {}  # prices of sizes, kept across the caps (``_best_prefix``)
         for cap in range(deepest, 0, -1):
             cut = [c for c in cands if c[1] < cap] if cap < deepest else cands
             if priced is not None and self._is_prefix(cut, priced):
@@ -197,27 +197,20 @@ class PlanSearch:
                 + p.fixed_s)
 
     def _best_prefix(self, rs: Sequence[_Req], cands: list[tuple[float, int, int]], base: _Prefix,
-                     memo: dict[str, dict]) -> tuple[int, float]:
+                     memo: dict[int | tuple[float, int], float]) -> tuple[int, float]:
         """The best non-empty prefix of ``cands`` (sorted by value, each request's in depth order) on top of
-        ``base``: its length and rate (0 and 0.0 when there are no candidates)."""
+        ``base``: its length and rate (0 and 0.0 when there are no candidates). ``memo``: the prices of the sizes
+        seen so far in this step's search, kept across its caps (the same sizes recur under every cap, and the
+        curves do not move while it runs): verify tokens -> seconds, (draft forward tokens, sequences) -> seconds."""
         tokens, verify = base.tokens, base.verify
         forwards = list(base.forwards)
         fseqs = list(base.fseqs)
         call_cost = self._cost.draft_call
-        # The same forward sizes and verify sizes recur under every cap: their prices, kept for this step's search
-        # (the curves do not move while it runs).
-        draft_memo, verify_memo = memo.setdefault("draft", {}), memo.setdefault("verify", {})
 
         def draft_cost(n: float, q: int) -> float:
-            s = draft_memo.get((n, q))
+            s = memo.get((n, q))
             if s is None:
-                s = draft_memo[n, q] = self._cost.draft_forward(n, q)
-            return s
-
-        def verify_cost(size: int) -> float:
-            s = verify_memo.get(size)
-            if s is None:
-                s = verify_memo[size] = self._cost.verify_seconds(size, base.nseqs)
+                s = memo[n, q] = self._cost.draft_forward(n, q)
             return s
 
         # The draft's seconds kept per forward and updated where a forward changed (this loop is the policy's
@@ -255,7 +248,10 @@ class PlanSearch:
             dirty.add(j)
             if n % stride and n != len(cands):
                 continue
-            rate = tokens / (verify_cost(verify) + draft_s() + base.fixed_s)
+            v = memo.get(verify)
+            if v is None:
+                v = memo[verify] = self._cost.verify_seconds(verify, base.nseqs)
+            rate = tokens / (v + draft_s() + base.fixed_s)
             # No early stop when the rate falls: the first candidates pay the draft call's fixed part and a whole
             # forward, so the rate can dip and recover (at batch 32, T = 0.8, a stop at 0.8x the plain rate left
             # the plan to the previous step's chains of 3, which re-priced better than plain decode).

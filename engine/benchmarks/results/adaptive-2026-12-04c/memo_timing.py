@@ -29,9 +29,6 @@ class NoStore(dict):
     def __setitem__(self, key, value) -> None:
         pass
 
-    def setdefault(self, key, default=None):
-        return NoStore()
-
 
 best_prefix, best_chains = pol._best_prefix, pol.best_chains
 seconds = {"memo": 0.0, "none": 0.0}
