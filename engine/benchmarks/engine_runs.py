@@ -21,6 +21,12 @@ def _params(group: list[list[int]], i: int, max_tokens: int, temperature: float,
                            seed=1000 * i + j if seeded else None) for j in range(len(group))]
 
 
+def add_group(engine: Any, group: list[list[int]], params: list[SamplingParams], prefix: str = "") -> None:
+    """A prompt group's requests into an engine, named ``prefix`` + their index in the group."""
+    for j, (p, sp) in enumerate(zip(group, params, strict=True)):
+        engine.add_request(f"{prefix}{j}", p, sp)
+
+
 def _reset_stats(llm: Any) -> None:
     eng = llm.engine
     eng.stats.__init__()
@@ -73,8 +79,7 @@ def engine_lockstep(llms: dict[str, Any], groups: list[list[list[int]]], max_tok
         params = _params(group, i, max_tokens, temperature, seeded)
         done: dict[str, dict[str, list[int]]] = {m: {} for m in llms}
         for llm in llms.values():
-            for j, (p, sp) in enumerate(zip(group, params, strict=True)):
-                llm.engine.add_request(str(j), p, sp)
+            add_group(llm.engine, group, params)
         order, turn = list(llms), 0
         while any(llm.engine.has_unfinished for llm in llms.values()):
             for m in order[turn % len(order):] + order[:turn % len(order)]:

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.benchmarks.compare import load_prompts
-from engine.benchmarks.engine_runs import _params
+from engine.benchmarks.engine_runs import _params, add_group
 from engine.llm import LLM
 
 torch.set_num_threads(1)
@@ -53,8 +53,7 @@ def timed(rs):
 pol.best_chains = timed
 for g in range(0, 64, 32):
     group = prompts[g:g + 32]
-    for j, (p, sp) in enumerate(zip(group, _params(group, g, 64, 0.0, False), strict=True)):
-        eng.add_request(f"{g}-{j}", p, sp)
+    add_group(eng, group, _params(group, g, 64, 0.0, False), f"{g}-")
     while eng.has_unfinished:
         eng.step_finished()
 print(f"{calls} searches ({agree} plans identical): {1000 * seconds['memo'] / calls:.2f} ms each with the memo, "

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.benchmarks.compare import load_prompts
-from engine.benchmarks.engine_runs import _params
+from engine.benchmarks.engine_runs import _params, add_group
 from engine.llm import LLM
 
 torch.set_num_threads(1)
@@ -60,8 +60,7 @@ def plan(reqs, prefill=False):
 
 
 pol.plan = plan
-for j, (p, sp) in enumerate(zip(prompts, _params(prompts, 0, 340, 0.0, False), strict=True)):
-    eng.add_request(str(j), p, sp)
+add_group(eng, prompts, _params(prompts, 0, 340, 0.0, False))
 while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
     eng.step_finished()
 times: dict[str, list[tuple[float, float]]] = {k: [] for k in plans}

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.benchmarks.compare import load_prompts
-from engine.benchmarks.engine_runs import _params
+from engine.benchmarks.engine_runs import _params, add_group
 from engine.llm import LLM
 
 torch.set_num_threads(1)
@@ -94,8 +94,7 @@ for rep in range(repeats):
     for g in range(0, 64, batch):
         group = prompts[g:g + batch]
         for eng in engines.values():
-            for j, (p, sp) in enumerate(zip(group, _params(group, g, 64, temp, False), strict=True)):
-                eng.add_request(f"{rep}-{g}-{j}", p, sp)
+            add_group(eng, group, _params(group, g, 64, temp, False), f"{rep}-{g}-")
         order, turn = list(engines), 0
         while any(e.has_unfinished for e in engines.values()):
             for m in order[turn % len(order):] + order[:turn % len(order)]:

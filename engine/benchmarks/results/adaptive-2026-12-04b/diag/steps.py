@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.benchmarks.compare import load_prompts
-from engine.benchmarks.engine_runs import _params
+from engine.benchmarks.engine_runs import _params, add_group
 from engine.llm import LLM
 
 torch.set_num_threads(1)
@@ -54,8 +54,7 @@ for rep in range(repeats):
     total_tok, total_ms = 0, 0.0
     for g in range(0, 64, batch):
         group = prompts[g:g + batch]
-        for j, (p, sp) in enumerate(zip(group, _params(group, g, 64, temp, False), strict=True)):
-            eng.add_request(f"{rep}-{g}-{j}", p, sp)
+        add_group(eng, group, _params(group, g, 64, temp, False), f"{rep}-{g}-")
         while eng.has_unfinished:
             plan.clear()
             before = dict(eng.times.__dict__)
