@@ -10,7 +10,11 @@ target's first layer) with random 32-token prompts and 48 tokens each, as ``benc
 ENGINES: comma-separated ``nospec``, ``k<N>`` (fixed chain of N), ``a<N>`` (adaptive, K_max N), ``e<N>`` (the
 same with every request planned from the engine-wide rates of its regime: ``request_prior_weight`` 1e9) and
 ``c<N>`` (the same with a request's own rounds weighed against 32 rounds of the engine's rates: what the default
-did on this pair before it planned alike requests from the engine's rates alone).
+did on this pair before it planned alike requests from the engine's rates alone). ``m<N>`` / ``h<N>`` /
+``f<N>``: the adaptive policy with ``spec_margin`` 0 / 0.025 / 0.05 (how much better than plain decode's
+speculation must be predicted; 0.05 the default until 12-04d, so ``a<N>`` in 12-04d's files is ``f<N>``, and
+0.025 since). A suffix ``_<n>`` makes a second engine of the same kind (``k4,k4_2``: how far two identical
+engines differ in one run, the noise floor).
 """
 
 import os
@@ -36,11 +40,14 @@ groups = [prompts[g:g + batch] for g in range(0, 64, batch)]
 
 
 def make(name: str) -> LLM:
+    depth = int(name[1:].split("_")[0]) if name != "nospec" else 0
     spec = None if name == "nospec" else {"method": "draft_model", "model": f"{d}/draft",
-                                          "num_speculative_tokens": int(name[1:]), "adaptive": name[0] in "aec"}
+                                          "num_speculative_tokens": depth, "adaptive": name[0] in "aecmhf"}
     llm = LLM(f"{d}/target", spec, max_num_seqs=64, num_kv_tokens=64 * 600)
     if name[0] == "c":
         llm.engine.scheduler.policy.acceptance.request_prior_weight = 32.0
+    if name[0] in "mhf":
+        llm.engine.scheduler.policy.spec_margin = {"m": 0.0, "h": 0.025, "f": 0.05}[name[0]]
     if name[0] == "e":
         llm.engine.scheduler.policy.acceptance.request_prior_weight = 1e9
     return llm
