@@ -4,8 +4,13 @@ A policy that learns its costs from user traffic alone starts cold: until both c
 configured depth, and then it knows only the sizes it happened to run (one depth at batch 1, say), so every
 other depth is an extrapolation and its first choices are guesses. Here a few groups of dummy sequences run
 through the ordinary engine loop at forced depths (plain decode, a short chain, the configured tree) and batch
-sizes (1, 4, 16, ... up to ``max_num_seqs``), greedy and sampled, within a time budget: each step's measured
-draft / verify / state times land in the policy's curves exactly as user steps will. What the dummy prompts
+sizes (1, 2, 4, ... up to ``max_num_seqs``: one per log2 bucket, as the curves keep them), greedy and sampled,
+within a time budget: each step's measured draft / verify / state times land in the policy's curves exactly as
+user steps will. A batch size the profiling leaves out decodes plainly until an exploration has measured a second
+size there (``CostModel.knows_batch_size``): with batch sizes in powers of 4, batch 64 on the built-in pair
+(budget spent below it) ran 18 plain steps of its first group, and every group's tail through batch 23-45 (never
+profiled) decoded plainly; the adaptive policy was 0.93x a chain of 4 at batch 64, 0.98x with every octave
+measured (``engine/benchmarks/results/adaptive-2026-12-04d``). What the dummy prompts
 teach about acceptance (random tokens accept unlike real text) is dropped afterwards, as are the engine's
 statistics; the cost curves stay.
 
@@ -187,12 +192,8 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     k_max = policy.base.tree.depth
     tree = policy.base.tree.branching
     shapes = list(dict.fromkeys([(), (1,) * max(1, k_max // 2), tree]))  # plain, a short chain, the configured
-    batches = [1]
     top = min(engine.config.scheduler.max_num_seqs, MAX_BATCH)
-    while batches[-1] * 4 <= top:
-        batches.append(batches[-1] * 4)
-    if batches[-1] != top:
-        batches.append(top)
+    batches = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]  # one per log2 bucket
     rng = random.Random(0)
     deadline = time.perf_counter() + budget_s
     steps = 0
@@ -203,17 +204,20 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
         policy.forced = tree
         steps += _group(engine, rng, 1, 0.0, len(tree), rounds=1)
         policy.cost, policy.sampled_cost = CostModel(), CostModel()
-        # Per batch size, plain decode and the short chain of each regime first: two verify sizes and a draft
-        # forward are what a regime's curves need to price any plan (``CostModel.ready``), so a budget cut short
-        # on a slow model leaves the policy able to plan; then the configured shape, each regime.
+        # Plain decode and the short chain first: two verify sizes and a draft forward are what a batch size's
+        # curves need to price any plan (``CostModel.ready``, ``knows_batch_size``), so a budget cut short on a
+        # slow model leaves the policy able to plan. The greedy regime at every batch size before the sampled
+        # one, which prices on the greedy curves of a batch size until it has its own (``CostModel.fallback``):
+        # on the built-in pair both regimes up to batch 64 take ~10 s, the greedy one ~4.4 s. Then the configured
+        # shape, each batch size and regime.
         temperatures = (0.0, 0.8)  # sampled steps have their own curves
-        groups = [(s, t) for t in temperatures for s in shapes[:2]] + [(s, t) for s in shapes[2:] for t in temperatures]
-        for b in batches:  # small batches first: what a budget cut leaves out is the rarer case
-            for shape, temperature in groups:
-                if time.perf_counter() > deadline:
-                    return steps
-                policy.forced = shape
-                steps += _group(engine, rng, b, temperature, len(shape))
+        groups = [(b, s, t) for t in temperatures for b in batches for s in shapes[:2]]
+        groups += [(b, s, t) for b in batches for s in shapes[2:] for t in temperatures]
+        for b, shape, temperature in groups:
+            if time.perf_counter() > deadline:
+                return steps
+            policy.forced = shape
+            steps += _group(engine, rng, b, temperature, len(shape))
     finally:
         policy.forced = None
         policy.observing = True
