@@ -21,3 +21,4 @@ fresh python $K 0 32 3 a8,k4 > warm-t0-b32.txt
 fresh python $K 0.8 32 3 a8,k4,k5 > warm-t08-b32.txt
 PAIR=random fresh python $K 0 32 3 nospec,a8 > warm-random-t0-b32.txt
 PAIR=random fresh python $K 0.8 32 3 nospec,a8 > warm-random-t08-b32.txt
+fresh python $K 0 1 1 a8,k4,k6,k8 > warm-t0-b1.txt
