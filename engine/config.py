@@ -88,7 +88,7 @@ class SpeculativeConfig:
       the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
       depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
-      adaptive policy's cost curves (default 5; 0: learn from the first requests);
+      adaptive policy's cost curves (default 10; 0: learn from the first requests);
     - ``adaptive_cost_cache``: take those curves from the profile of the same setup on this machine when one
       was made in the last week, and keep this one's, with what the live steps measure written back every
       minute of steps and at shutdown (``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``; default true);
@@ -112,7 +112,7 @@ class SpeculativeConfig:
     quantization: str | None = None
     adaptive: bool | None = None  # None: on, unless a batch-size schedule fixes the depths
     num_speculative_tokens_per_batch_size: dict | list | None = None
-    adaptive_warmup_s: float = 5.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
+    adaptive_warmup_s: float = 10.0  # start-up profiling of the adaptive policy's costs (engine/policy_warmup.py)
     adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (engine/policy_warmup.py)
 
     def __post_init__(self) -> None:

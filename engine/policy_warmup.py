@@ -9,8 +9,8 @@ within a time budget: each step's measured draft / verify / state times land in 
 user steps will. A batch size the profiling leaves out decodes plainly until an exploration has measured a second
 size there (``CostModel.knows_batch_size``): with batch sizes in powers of 4, batch 64 on the built-in pair
 (budget spent below it) ran 18 plain steps of its first group, and every group's tail through batch 23-45 (never
-profiled) decoded plainly; the adaptive policy was 0.93x a chain of 4 at batch 64, 0.98x with every octave
-measured (``engine/benchmarks/results/adaptive-2026-12-04d``). What the dummy prompts
+profiled) decoded plainly; the adaptive policy was 0.93x a chain of 4 at batch 64, 0.98x with every octave's
+greedy curves measured (``engine/benchmarks/results/adaptive-2026-12-04d``). What the dummy prompts
 teach about acceptance (random tokens accept unlike real text) is dropped afterwards, as are the engine's
 statistics; the cost curves stay.
 
@@ -204,14 +204,16 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
         policy.forced = tree
         steps += _group(engine, rng, 1, 0.0, len(tree), rounds=1)
         policy.cost, policy.sampled_cost = CostModel(), CostModel()
-        # Plain decode and the short chain first: two verify sizes and a draft forward are what a batch size's
-        # curves need to price any plan (``CostModel.ready``, ``knows_batch_size``), so a budget cut short on a
-        # slow model leaves the policy able to plan. The greedy regime at every batch size before the sampled
-        # one, which prices on the greedy curves of a batch size until it has its own (``CostModel.fallback``):
-        # on the built-in pair both regimes up to batch 64 take ~10 s, the greedy one ~4.4 s. Then the configured
-        # shape, each batch size and regime.
+        # Per batch size, plain decode and the short chain of each regime first: two verify sizes and a draft
+        # forward are what a batch size's curves need to price any plan (``CostModel.ready``,
+        # ``knows_batch_size``), so a budget cut short on a slow model leaves the policy able to plan; then the
+        # configured shape, each batch size and regime. Both regimes at a batch size before the next size: with
+        # the greedy regime at every size first (5 s on the built-in pair reached the sampled one at batch 1-2
+        # only), sampled steps at batch 64 were priced on the greedy curves of that size and the policy ran
+        # 0.90x a chain of 5 at T = 0.8, against 0.99x when neither regime had measured batch 64. On the built-in
+        # pair both regimes up to batch 64 take ~10 s, the configured shape another ~12.
         temperatures = (0.0, 0.8)  # sampled steps have their own curves
-        groups = [(b, s, t) for t in temperatures for b in batches for s in shapes[:2]]
+        groups = [(b, s, t) for b in batches for t in temperatures for s in shapes[:2]]
         groups += [(b, s, t) for b in batches for s in shapes[2:] for t in temperatures]
         for b, shape, temperature in groups:
             if time.perf_counter() > deadline:
