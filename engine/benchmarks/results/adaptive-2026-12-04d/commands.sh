@@ -22,3 +22,11 @@ fresh python $K 0.8 32 3 a8,k4,k5 > warm-t08-b32.txt
 PAIR=random fresh python $K 0 32 3 nospec,a8 > warm-random-t0-b32.txt
 PAIR=random fresh python $K 0.8 32 3 nospec,a8 > warm-random-t08-b32.txt
 fresh python $K 0 1 1 a8,k4,k6,k8 > warm-t0-b1.txt
+# the old code for comparison (a worktree of 1ce5ae3, runs/ linked in):
+#   git worktree add /tmp/old 1ce5ae3 && cd /tmp/old && ln -s /work/main/runs runs
+#   PYTHONPATH=/tmp/old fresh python $K 0.8 64 3 a8,k4,k5 > before-t08-b64.txt
+fresh python $K 0 32 3 a8,k4 > warm2-t0-b32.txt
+fresh python $K 0.8 64 3 a8,k4,k5 > warm-t08-b64.txt
+# the kept version (both regimes per batch size, 10 s):
+fresh python $K 0.8 64 3 a8,k4,k5 > both-t08-b64.txt
+fresh python $K 0 64 3 a8,k4 > both-t0-b64.txt
