@@ -33,3 +33,5 @@ fresh python $K 0 64 3 a8,k4 > both-t0-b64.txt
 fresh python $K 0 32 3 a8,k4 > both-t0-b32.txt
 PAIR=random fresh python $K 0 32 3 nospec,a8 > both-random-t0-b32.txt
 fresh python $K 0.8 32 3 a8,k4,k5 > both-t08-b32.txt
+PAIR=random fresh python $K 0.8 32 3 nospec,a8 > both-random-t08-b32.txt
+fresh python $K 0 1 1 a8,k4,k6,k8 > both-t0-b1.txt
