@@ -53,7 +53,9 @@ class PositionCounts:
 
 _MIN_LIFE_ROUNDS = 4  # drafting rounds before a request's rate says anything of the spread between requests
 _MIN_FINISHED = 4.0  # finished requests (decayed) before they, not the running ones, measure the spread
-_WEIGHT_RANGE = (2.0, 32.0)
+_MIN_WEIGHT = 2.0  # the least the engine's rates are worth to a request, however far apart the requests
+# An empirical-Bayes weight over this is a spread too small to measure: the weight is infinite (``prior_weight``).
+_ALIKE_WEIGHT = 32.0
 # ... and before two requests of a regime have shown how far apart they are: 2 (the weight before this was learned)
 # kept the first requests at batch 1 reacting to every miss (in-process, T = 0.8: 2.5 tokens a step over the first
 # 8 requests, 4.2 once the weight was learned); 8 scored within 0.01 of the best weight on every recorded run.
@@ -78,15 +80,14 @@ class _Spread:
         self.inv_rounds += a * (1.0 / rounds - self.inv_rounds)
 
     def prior_weight(self) -> float:
-        lo, hi = _WEIGHT_RANGE
         if self.weight < 2.0:
             return _UNKNOWN_SPREAD_WEIGHT
         mu = self.mean
         noise = mu * (1.0 - mu) * self.inv_rounds
         spread = self.mean_sq - mu * mu - noise
-        if spread <= mu * (1.0 - mu) / (hi + 1.0):  # no measurable spread (or none at all): the engine's rates
+        if spread <= mu * (1.0 - mu) / (_ALIKE_WEIGHT + 1.0):  # no measurable spread (or none): the engine's rates
             return math.inf
-        return max(lo, mu * (1.0 - mu) / spread - 1.0)
+        return max(_MIN_WEIGHT, mu * (1.0 - mu) / spread - 1.0)
 
 
 @dataclass
