@@ -60,10 +60,15 @@ class AdaptivePolicy(PlanSearch, Exploration):
     # depth caps) of a 0.45-0.55 s step, to choose plain decode again (the lead there, on the curves a c64
     # server measured: 8-9 %). Speculating must also win by ``spec_margin``, so such a lead closes only on a
     # ~10 % move of the estimates, not in a few steps unless the batch changes, which plans again at once.
-    # Explorations go on as before.
+    # Explorations go on as before. The lead is held only while plain decode's own price keeps it: a plain step
+    # measured dearer than its curve said (the start-up profiling's points are short contexts; at concurrency 32,
+    # T = 0.8, built-in pair, batch 32's plain step was priced at 23 ms and took 69) searches again at once. Held
+    # on the lead it was set with, plain decode ran 4 more steps at 0.58-0.80 tokens/ms where the chains it had
+    # priced below it ran ~0.85.
     clear_lead: float = 0.05
     clear_steps: int = 4
-    _clear: dict[tuple[int, bool], int] = field(default_factory=dict)  # (batch bucket, sampled) -> steps left
+    # (batch bucket, sampled) -> [steps left, the best speculating rate per sequence when it was set]
+    _clear: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
@@ -174,9 +179,9 @@ class AdaptivePolicy(PlanSearch, Exploration):
             # Plain decode measures this batch size's first sizes; an exploration (a few requests speculating)
             # its second, as soon as the budget allows (a size never measured here is not held to explore_min).
             best = self.price(rs, [()] * len(rs))
-        elif self._clear.get(clear, 0) > 0 and not self._pinned:
-            self._clear[clear] -= 1
-            best = self.price(rs, [()] * len(rs))
+        elif (held := self._held_lead(clear, rs, nseqs)) is not None:
+            self._clear[clear][0] -= 1
+            best = held
         else:
             self._clear.clear()  # another batch size or regime: its lead is not this one's
             best = self.best_chains(rs)
@@ -190,7 +195,7 @@ class AdaptivePolicy(PlanSearch, Exploration):
             if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
                 best = prev
             if not any(best.shapes) and not self._pinned and spec_rate < best.rate * (1 - self.clear_lead):
-                self._clear[clear] = self.clear_steps
+                self._clear[clear] = [self.clear_steps, spec_rate / nseqs]
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
         explore = self._exploration(rs, best, fixed, prefill)
@@ -198,6 +203,16 @@ class AdaptivePolicy(PlanSearch, Exploration):
             self.explored_steps += 1
             return explore
         return best.shapes
+
+    def _held_lead(self, key: tuple[int, bool], rs: list[_Req], nseqs: int) -> _Plan | None:
+        """Plain decode, if this step keeps a lead an earlier search set (``clear_lead``): steps of it left, no
+        pinned rounds, and plain decode, priced on its curve as measured since, still that far ahead of the
+        speculating rate the search found (per sequence: the batch may have moved inside its bucket)."""
+        lead = self._clear.get(key)
+        if lead is None or lead[0] <= 0 or self._pinned:
+            return None
+        plain = self.price(rs, [()] * len(rs))
+        return plain if plain.rate / nseqs * (1 - self.clear_lead) >= lead[1] else None
 
     # --------------------------------------------------------------------------------------------- the plan
     def _view(self, r: Request, prior: list[float]) -> _Req:

@@ -112,6 +112,23 @@ def test_a_wide_lead_of_plain_decode_skips_the_search_for_a_few_steps(monkeypatc
     assert 0 < q.spec_rate and len(searches) == 3, (q.spec_rate, searches)
 
 
+def test_a_plain_lead_ends_when_plain_decode_is_measured_dearer() -> None:
+    """The lead that skips the search is held on plain decode's price as measured since it was set: a plain step
+    found far dearer than its curve said (the start-up profiling's short contexts) plans again at once, and
+    speculates where the search now prices it ahead."""
+    cost = costs(**COMPUTE_BOUND)
+    cost.draft_call = curve(lambda n: 10 * MS)
+    p = policy(cost)
+    reqs = requests(32)
+    for r in reqs:
+        teach(p, r, 0.85, seed=r.seq_id)
+    assert p.plan(reqs) == [()] * 32  # the search: plain decode leads by 24 %, held for the next steps
+    assert p.plan(reqs) == [()] * 32
+    cost.verify.observe(32, 300 * MS)  # the plain step took 300 ms, not 32: its point moves half way
+    shapes = p.plan(reqs)
+    assert any(shapes), shapes
+
+
 def test_compute_bound_only_past_a_batch_size() -> None:
     """Flat up to 64 tokens, linear beyond: a small batch speculates, a large one does not."""
     p = policy(costs(verify=lambda n: 10 * MS * max(1.0, n / 64), draft=lambda n: 0.2 * MS * max(1.0, n / 64)))
