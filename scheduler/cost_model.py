@@ -86,15 +86,12 @@ class Curve:
         if p.profiled:
             # The start-up profiling's steps carry short contexts (a few tokens each); live steps read every
             # sequence's whole context, a cost added to every size alike. So the first live measure of a profiled
-            # size replaces it, and moves the sizes still unmeasured live by as much: at batch 32 on the built-in
-            # pair (T = 0.8, prompts of 100-400 tokens) the profiled plain step was 23 ms and took 69, a depth-3
-            # step 64 and took 118. Left where they were, each size not yet run live looked ~50 ms cheaper than
-            # the ones that had, and the plan went to it (plain decode, then the deep chains) to find out, one
-            # size at a time. Moved only half way (the weight of a re-measure after a gap), batch 64's plain
-            # step (profiled 43 ms, live 153-184) was still priced 93-117 ms after two live measures, and plain
-            # decode was chosen at 0.35-0.39 tokens/ms where the chains it priced below it ran 0.6.
-            a = 1.0
-            shift = seconds - p.y
+            # size moves the sizes still unmeasured live by as much as it moves its own: at batch 32 on the
+            # built-in pair (T = 0.8, prompts of 100-400 tokens) the profiled plain step was 23 ms and took 69, a
+            # depth-3 step 64 and took 118. Left where they were, each size not yet run live looked ~50 ms
+            # cheaper than the ones that had, and the plan went to it (plain decode, then the deep chains) to find
+            # out, one size at a time.
+            shift = a * (seconds - p.y)
             for q in self.points.values():
                 if q.profiled and q is not p:
                     q.y = max(0.0, q.y + shift)
