@@ -50,7 +50,7 @@ PROMPT_LEN = 8  # dummy prompt tokens: the decode costs being profiled hardly de
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves (their slope is measured by then)
 SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round
 ROUNDS = 4  # verify rounds per group: the first of each group prefills, the rest are what the curves keep
-CACHE_FORMAT = 3  # 2: the draft's curves per batch size; 3: which points are still the profiling's
+CACHE_FORMAT = 2  # 2: the draft's curves per batch size
 CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (the machine's load, its updates, drift)
 _CODE_DIRS = ("engine", "scheduler", "workers")
 
@@ -221,8 +221,6 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
             policy.forced = shape
             steps += _group(engine, rng, b, temperature, len(shape))
     finally:
-        policy.cost.mark_profiled()  # short contexts: the first live steps calibrate them (``Curve.observe``)
-        policy.sampled_cost.mark_profiled()
         policy.forced = None
         policy.observing = True
         policy.acceptance = AcceptanceTracker()  # random prompts: their acceptance is not the users'

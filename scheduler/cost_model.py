@@ -48,8 +48,6 @@ class _Point:
     # Re-measurements after a gap (explorations) in a row that found the bucket where it was: the policy spaces
     # its explorations of a size further apart the more often it found nothing new there.
     confirms: int = 0
-    # Measured by the start-up profiling (``CostModel.mark_profiled``) and not since: see ``Curve.observe``.
-    profiled: bool = False
 
 
 @dataclass
@@ -83,19 +81,6 @@ class Curve:
         # after a long gap (an exploration step) moves most of the way to the new value instead of nudging it;
         # but never all the way, so one step that another process slowed down 3x does not become the curve.
         a = min(self.max_jump, 1.0 - (1.0 - self.decay) ** (self.clock - p.step))
-        if p.profiled:
-            # The start-up profiling's steps carry short contexts (a few tokens each); live steps read every
-            # sequence's whole context, a cost added to every size alike. So the first live measure of a profiled
-            # size moves the sizes still unmeasured live by as much as it moves its own: at batch 32 on the
-            # built-in pair (T = 0.8, prompts of 100-400 tokens) the profiled plain step was 23 ms and took 69, a
-            # depth-3 step 64 and took 118. Left where they were, each size not yet run live looked ~50 ms
-            # cheaper than the ones that had, and the plan went to it (plain decode, then the deep chains) to find
-            # out, one size at a time.
-            shift = a * (seconds - p.y)
-            for q in self.points.values():
-                if q.profiled and q is not p:
-                    q.y = max(0.0, q.y + shift)
-            p.profiled = False
         p.x += a * (x - p.x)
         p.y += a * (seconds - p.y)
         p.step = self.clock
@@ -210,14 +195,6 @@ class CostModel:
     def ready(self) -> bool:
         """Enough measured to compare plans: the target at two sizes and a draft forward."""
         return len(self.verify.points) >= 2 and self.draft.ready
-
-    def mark_profiled(self) -> None:
-        """Flag every batch-size curve's points as the start-up profiling's (``_Point.profiled``): their first live
-        measures calibrate the rest for the live contexts."""
-        for curves in (self.verify_by_seqs, self.draft_by_seqs):
-            for c in curves.values():
-                for p in c.points.values():
-                    p.profiled = True
 
     def observe(self, s: StepSample) -> None:
         self.verify.observe(s.verify_tokens, s.verify_s)
@@ -368,7 +345,7 @@ class CostModel:
 
 def curve_to_dict(c: Curve) -> dict:
     """A curve's measured points (JSON-safe); ``curve_from_dict`` reads them back with fresh step counts."""
-    return {"points": [[b, p.x, p.y, p.confirms, int(p.profiled)] for b, p in sorted(c.points.items())]}
+    return {"points": [[b, p.x, p.y, p.confirms] for b, p in sorted(c.points.items())]}
 
 
 def curve_from_dict(d: dict) -> Curve:
@@ -376,12 +353,11 @@ def curve_from_dict(d: dict) -> Curve:
     points (the file it came from is an input like any other)."""
     c = Curve()
     for row in d["points"]:
-        b, x, y, confirms, profiled = row
+        b, x, y, confirms = row
         if not (isinstance(b, int) and isinstance(confirms, int) and all(isinstance(v, (int, float)) for v in (x, y))
-                and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == Curve.bucket(x)
-                and profiled in (0, 1)):
+                and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == Curve.bucket(x)):
             raise ValueError(f"not a cost-curve point: {row!r}")
-        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms), bool(profiled))
+        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms))
     return c
 
 

@@ -785,29 +785,6 @@ def test_one_slow_step_after_a_gap_does_not_become_the_curve() -> None:
     assert c(4) > 80 * MS
 
 
-def test_the_first_live_measure_of_a_profiled_size_moves_the_profiled_sizes_alike() -> None:
-    """The start-up profiling's short contexts make every size of a batch size cheaper by about the same time;
-    the first live measure of one profiled size moves every size still profiled by as much as its own, once,
-    and sizes measured live, or a model not marked as profiled, are not moved."""
-    m = CostModel(verify=curve(lambda n: 1 * MS * n), draft=curve(lambda n: 0.1 * MS))
-    m.verify_by_seqs[5] = curve(lambda n: 20 * MS + 0.3 * MS * n, xs=(32, 64, 128, 256))
-    plain = CostModel(verify_by_seqs={5: curve(lambda n: 20 * MS + 0.3 * MS * n, xs=(32, 64, 128, 256))})
-    m.mark_profiled()
-    c = m.verify_by_seqs[5]
-    for _ in range(20):  # other batch sizes run meanwhile: a re-measure after a gap moves halfway
-        c.observe(256, 20 * MS + 0.3 * MS * 256)
-        plain.verify_by_seqs[5].observe(256, 20 * MS + 0.3 * MS * 256)
-    before = {x: c(x) for x in (32, 64, 256)}
-    c.observe(128, 20 * MS + 0.3 * MS * 128 + 50 * MS)  # live contexts: 50 ms more than profiled
-    assert c(128) == pytest.approx(before[64] + 0.3 * MS * 64 + 25 * MS)
-    assert c(32) == pytest.approx(before[32] + 25 * MS) and c(64) == pytest.approx(before[64] + 25 * MS)
-    assert c(256) == pytest.approx(before[256])  # measured live since the profiling: its own value
-    c.observe(128, 20 * MS + 0.3 * MS * 128 + 50 * MS)  # not the first live measure: nothing else moves
-    assert c(32) == pytest.approx(before[32] + 25 * MS)
-    plain.verify_by_seqs[5].observe(128, 20 * MS + 0.3 * MS * 128 + 50 * MS)
-    assert plain.verify_by_seqs[5](32) == pytest.approx(20 * MS + 0.3 * MS * 32)
-
-
 def test_an_unmeasured_tree_is_not_chosen_on_its_prior() -> None:
     """Before any tree round is measured the tree is priced at the chain's rates (its sibling gain unproven), so
     the policy keeps chains; the exploration steps (the configured shape) measure it, and then it may win."""
