@@ -19,8 +19,13 @@ fresh python $F 0.8 32 192 a8,u8,k5 > $R/calib-t08-c32.txt
 fresh python $F 0 32 192 a8,u8,k4 > $R/calib-t0-c32.txt
 fresh python $R/flow_reasons.py 0.8 32 96 5 > $R/reasons-t08-c32-358fb0e.txt
 # served, interleaved (sweep-builtin-greedy/command-and-log.txt has the exact command)
-# the final version (358fb0e):
-fresh python $F 0 64 256 a8,k4,nospec > $R/final-t0-c64.txt
-fresh python $F 0.8 64 256 a8,k4,k5,nospec > $R/final-t08-c64.txt
-PAIR=random fresh python $F 0 32 128 a8,k2,nospec > $R/final-random-t0-c32.txt
-PAIR=random fresh python $F 0.8 32 128 a8,k2,nospec > $R/final-random-t08-c32.txt
+fresh python $R/flow_reasons.py 0 64 192 4 > $R/reasons-t0-c64-358fb0e.txt  # beside final-random-t0-c32 (2 jobs)
+# at 358fb0e (profiled points moved half way by the first live measure):
+fresh python $F 0 64 256 a8,k4,nospec > $R/half-t0-c64.txt
+fresh python $F 0.8 64 256 a8,k4,k5,nospec > $R/half-t08-c64.txt
+PAIR=random fresh python $F 0 32 128 a8,k2,nospec > $R/half-random-t0-c32.txt
+PAIR=random fresh python $F 0.8 32 128 a8,k2,nospec > $R/half-random-t08-c32.txt
+# at b667d58 (a profiled point's first live measure replaces it; u8: no calibration at all, as before 358fb0e; reverted in efa6100):
+fresh python $F 0 64 256 a8,u8,k4 > $R/full-t0-c64.txt
+PAIR=random fresh python $F 0 32 128 a8,u8,nospec > $R/full-random-t0-c32.txt
+fresh python $F 0.8 32 192 a8,u8,k5 > $R/full-t08-c32.txt

@@ -9,9 +9,9 @@ on the built-in pair's prompts (cycled), or random 32-token prompts with PAIR=ra
 
 ENGINES: ``nospec``, ``k<N>`` (a fixed chain of N), ``a<N>`` (adaptive, K_max N); ``_<n>`` a second one alike.
 ``e<N>``: adaptive with every request planned from its regime's engine-wide rates (``request_prior_weight``
-1e9). ``u<N>``: adaptive with the start-up profile's points not calibrated by the first live steps (before
-12-04e: ``_Point.profiled`` cleared after start-up). ``o<N>``: adaptive with a plain-decode lead held on the
-price it was set with (the policy before 12-04e).
+1e9). ``u<N>``: adaptive with the start-up profile's points not calibrated by the first live steps (meaningful at
+358fb0e-b667d58 only, where ``_Point.profiled`` existed; reverted in efa6100). ``o<N>``: adaptive with a
+plain-decode lead held on the price it was set with (the policy before 12-04e).
 Prints tokens per second per quarter of the run (by requests finished) and over the run, and the ratios.
 """
 
