@@ -29,3 +29,8 @@ PAIR=random fresh python $F 0.8 32 128 a8,k2,nospec > $R/half-random-t08-c32.txt
 fresh python $F 0 64 256 a8,u8,k4 > $R/full-t0-c64.txt
 PAIR=random fresh python $F 0 32 128 a8,u8,nospec > $R/full-random-t0-c32.txt
 fresh python $F 0.8 32 192 a8,u8,k5 > $R/full-t08-c32.txt
+# the landed policy (fa6cb13: 010951d's policy):
+fresh python $F 0.8 64 256 a8,k4,k5,nospec > $R/landed-t08-c64.txt
+PAIR=random fresh python $F 0.8 32 128 a8,k2,nospec > $R/landed-random-t08-c32.txt
+fresh python $F 0 64 256 a8,k4,nospec > $R/landed-t0-c64.txt
+fresh python $F 0 32 192 a8,k4,nospec > $R/landed-t0-c32.txt   # twice: landed-t0-c32-2.txt
