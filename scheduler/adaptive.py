@@ -40,6 +40,14 @@ from scheduler.spec_policy import SpecPolicy
 
 
 @dataclass
+class _Lead:
+    """Plain decode's lead at a batch bucket and regime (``AdaptivePolicy.clear_lead``)."""
+
+    steps: int  # steps left that may skip the search
+    spec_rate: float  # the best speculating rate the search found, per sequence: what plain decode must stay ahead of
+
+
+@dataclass
 class AdaptivePolicy(PlanSearch, Exploration):
     measures_costs = True  # learns its cost curves from every step's measured times (observe_step)
     base: SpecPolicy  # the configured tree (K_max = its depth) and the context caps
@@ -67,8 +75,7 @@ class AdaptivePolicy(PlanSearch, Exploration):
     # priced below it ran ~0.85.
     clear_lead: float = 0.05
     clear_steps: int = 4
-    # (batch bucket, sampled) -> [steps left, the best speculating rate per sequence when it was set]
-    _clear: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    _clear: dict[tuple[int, bool], _Lead] = field(default_factory=dict)  # (batch bucket, sampled) -> its lead
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous (non-exploring) shape
     _cold_steps: int = 0  # steps planned before the curves could price a plan (``_cold``)
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): the start-up profiling
@@ -180,7 +187,7 @@ class AdaptivePolicy(PlanSearch, Exploration):
             # its second, as soon as the budget allows (a size never measured here is not held to explore_min).
             best = self.price(rs, [()] * len(rs))
         elif (held := self._held_lead(clear, rs, nseqs)) is not None:
-            self._clear[clear][0] -= 1
+            self._clear[clear].steps -= 1
             best = held
         else:
             self._clear.clear()  # another batch size or regime: its lead is not this one's
@@ -195,7 +202,7 @@ class AdaptivePolicy(PlanSearch, Exploration):
             if prev is not None and best.rate < prev.rate * (1 + self.hysteresis):
                 best = prev
             if not any(best.shapes) and not self._pinned and spec_rate < best.rate * (1 - self.clear_lead):
-                self._clear[clear] = [self.clear_steps, spec_rate / nseqs]
+                self._clear[clear] = _Lead(self.clear_steps, spec_rate / nseqs)
         for r, shape in zip(rs, best.shapes, strict=True):
             self._last[r.seq_id] = shape
         explore = self._exploration(rs, best, fixed, prefill)
@@ -209,10 +216,10 @@ class AdaptivePolicy(PlanSearch, Exploration):
         pinned rounds, and plain decode, priced on its curve as measured since, still that far ahead of the
         speculating rate the search found (per sequence: the batch may have moved inside its bucket)."""
         lead = self._clear.get(key)
-        if lead is None or lead[0] <= 0 or self._pinned:
+        if lead is None or lead.steps <= 0 or self._pinned:
             return None
         plain = self.price(rs, [()] * len(rs))
-        return plain if plain.rate / nseqs * (1 - self.clear_lead) >= lead[1] else None
+        return plain if plain.rate / nseqs * (1 - self.clear_lead) >= lead.spec_rate else None
 
     # --------------------------------------------------------------------------------------------- the plan
     def _view(self, r: Request, prior: list[float]) -> _Req:

@@ -55,7 +55,7 @@ def make(name: str) -> LLM:
 
         def held(key, rs, nseqs, pol=pol):  # the lead's steps alone, not plain decode's price since
             lead = pol._clear.get(key)
-            return pol.price(rs, [()] * len(rs)) if lead and lead[0] > 0 and not pol._pinned else None
+            return pol.price(rs, [()] * len(rs)) if lead and lead.steps > 0 and not pol._pinned else None
         pol._held_lead = held
     return llm
 

@@ -40,12 +40,12 @@ info: dict = {}
 def traced(rs, fixed, prefill=False):
     nseqs = len(rs) + len(pol._pinned)
     key = (Curve.bucket(nseqs), pol._cost is pol.sampled_cost)
-    left = pol._clear[key][0] if key in pol._clear else 0
+    left = pol._clear[key].steps if key in pol._clear else 0
     lead = pol._clear.get(key)
     why = "unknown" if not pol._cost.knows_batch_size(nseqs) else None
     e0 = pol.explored_steps
     out = plan_free(rs, fixed, prefill)
-    if why is None and lead is not None and pol._clear.get(key) is lead and lead[0] < left:
+    if why is None and lead is not None and pol._clear.get(key) is lead and lead.steps < left:
         why = "clear"  # the held lead's steps went down: this step kept it
     plain = pol.price(rs, [()] * len(rs))
     searched = pol.best_chains(rs)
