@@ -165,6 +165,56 @@ def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, m
     assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the prompt
 
 
+def test_a_prompt_chunk_rides_along_with_a_speculating_step_where_the_draft_cache_reaches_it(
+        llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under continuous batching a request arrives while others speculate: the draft is called for their rounds
+    anyway, so the arrival's prompt chunks go with that call and its first round feeds one token, not its prefix
+    (which the policy would price as a lag, growing with every plain round). A chunk is sent only where the draft's
+    cache ends at the chunk's start: an arrival whose first chunk came in a step without rounds feeds its whole
+    prefix in its first round, as before. Greedy output stays the target's either way."""
+    llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4,
+              max_num_batched_tokens=8)
+    engine = llm.engine
+    policy = engine.scheduler.policy
+    calls = []
+    submit = engine.executor.submit_draft
+    monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
+    monkeypatch.setattr(policy, "plan", lambda reqs, prefill=False: [(1,) * min(K, policy.base.cap(r)) for r in reqs])
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    early, late = [1, 33, 34], [1, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23]  # late: chunked (3 tokens left a step)
+    got: dict[str, list[int]] = {}
+
+    def run(ids: list[str], prompts: list[list[int]], arrive_after: int) -> None:
+        engine.add_request(ids[0], prompts[0], greedy)
+        for _ in range(arrive_after):
+            got.update({o.request_id: o.token_ids for o in engine.step_finished()})
+        engine.add_request(ids[1], prompts[1], greedy)
+        while engine.has_unfinished:
+            got.update({o.request_id: o.token_ids for o in engine.step_finished()})
+
+    def late_calls(seq_id: int) -> tuple[list[tuple[int, int]], int]:
+        """The late request's chunks the draft saw (start, end), and the base of its first round."""
+        chunks = [(p.base_len, p.base_len + len(p.token_ids)) for m in calls for p in m.prefills if p.seq_id == seq_id]
+        first = next(s.base_len for m in calls for s in m.seqs if s.seq_id == seq_id)
+        return chunks, first
+
+    run(["a", "b"], [early, late], arrive_after=2)  # b arrives while a speculates
+    chunks, first = late_calls(1)
+    assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == len(late)  # every chunk, in order
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(chunks, chunks[1:], strict=False))
+    assert first == len(late)  # its first round feeds the token sampled at prefill, nothing more
+    calls.clear()
+    run(["c", "d"], [early, late], arrive_after=0)  # d's first chunk shares the first step: no rounds yet
+    chunks, first = late_calls(3)
+    assert chunks == [] and first == 0  # no chunk starts where its draft cache ends: the round feeds all
+    accepted = engine.stats.as_dict()["mean_acceptance_length"]
+    llm.shutdown()
+    with LLM(llama.target, None, block_size=4) as ref:
+        want = [o.token_ids for o in ref.generate([early, late], greedy)]
+    assert [got["a"], got["b"]] == want and [got["c"], got["d"]] == want
+    assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the whole prompt
+
+
 def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
     """The first engine profiles and writes its curves; a second one of the same setup reads them instead of
