@@ -104,6 +104,9 @@ class NoDrafter:
         return {}
 
 
+EAGER_PLAIN_STEPS = 8  # plain steps in a row after which a lazily prefilling drafter stops sending prompt chunks
+
+
 @dataclass
 class SequentialDrafter:
     """Drafts each round's trees from the committed prefix, then waits for them.
@@ -114,9 +117,11 @@ class SequentialDrafter:
     """
 
     calls: DraftCalls
-    # Scheduler's flag: prompt chunks go to the draft only with a step that calls it for rounds anyway, and only a
-    # chunk that starts where the draft's cache ends; otherwise the request's first round feeds its prefix.
+    # Scheduler's flag: prompt chunks go to the draft only while the engine speculates (a speculative round in
+    # this step or one of the ``EAGER_PLAIN_STEPS`` steps with rounds before it), and only a chunk that starts
+    # where the draft's cache ends; otherwise the request's first speculative round feeds its prefix.
     lazy_prefill: bool = False
+    _plain_steps: int = EAGER_PLAIN_STEPS  # steps with rounds, none speculative, since the last that had one
     _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
     _prefilled: dict[int, int] = field(default_factory=dict)  # seq_id -> draft cache end after this step's chunk
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
@@ -133,11 +138,16 @@ class SequentialDrafter:
             if shape:  # the scheduler's policy chose this round's branching
                 msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))
                 self._inflight[r.seq_id] = (r.num_cached_draft, r.num_tokens - r.num_cached_draft)
-        if self.lazy_prefill and msg.seqs:
-            # The draft is called for rounds anyway: its prompt chunks ride along, so a new request's first
-            # round feeds one token, not its prefix. Left out, an arrival's prefix was priced spread over its
-            # rounds (``AdaptivePolicy._amortized_lag``) and grew with every plain round, holding it back from
-            # speculating under continuous batching; a fixed depth never had that lag.
+        if batch.rounds:
+            self._plain_steps = 0 if msg.seqs else self._plain_steps + 1
+        if self.lazy_prefill and self._plain_steps < EAGER_PLAIN_STEPS:
+            # While the engine speculates, prompt chunks go to the draft (with the rounds' call, or in one of their
+            # own in a plain step), so a new request's first round feeds one token, not its prefix. Left out, an
+            # arrival's prefix was priced spread over its rounds (``AdaptivePolicy._amortized_lag``) and grew with
+            # every plain round: at concurrency 32 (built-in pair, greedy) a few plain steps in a row put 20-30
+            # tokens of lag on every arrival, which kept plain decode priced ahead of the chains, so the arrivals
+            # kept lagging. A fixed depth never has that lag; an engine that has stopped speculating (saturated)
+            # still does no draft work.
             ahead = [c for c in batch.prefills if c.req.num_cached_draft == c.start]
             msg.prefills = self.calls.prefills(ahead)
             self._prefilled = {c.req.seq_id: c.end for c in ahead}
