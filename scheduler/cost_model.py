@@ -39,16 +39,6 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-# A batch size's verify steps all read the batch's contexts, which grow and shrink with the load: a measure at one
-# size moves the others by this power of the ratio it found (half the weight it gets itself). Without it, a size the
-# plan seldom runs kept its old price: at concurrency 32 (built-in pair, greedy) the plain step (32 tokens) was
-# priced 18 -> 26 -> 36 -> 50 ms by its own steps, each of which took 34 -> 46 -> 63 -> 72 ms, while the chains'
-# sizes, measured every step, followed their contexts; plain decode looked 25-45 % faster than it ran, and won
-# near-ties it then lost (``results/adaptive-2026-12-04f/pred_vs_real.py``).
-# 0.1 tracked faster, but flapped near ties: 40 changes in 300 steps of tests/test_adaptive_policy.py's noisy_run,
-# against 12 without and 11 at 0.05.
-VERIFY_COMOVE = 0.05
-
 
 @dataclass
 class _Point:
@@ -75,9 +65,7 @@ class Curve:
     def bucket(x: float) -> int:
         return 0 if x <= 1 else round(math.log2(x))  # octaves: finer buckets only measure noise more often
 
-    def observe(self, x: float, seconds: float, comove: float = 0.0) -> None:
-        """``comove``: the other sizes' values move by this power of the ratio the measure found at its own size
-        (``CostModel.observe``: the batch-size verify curves)."""
+    def observe(self, x: float, seconds: float) -> None:
         if x <= 0 or seconds < 0 or not math.isfinite(seconds):
             return
         self.clock += 1
@@ -87,13 +75,6 @@ class Curve:
         if p is None:
             self.points[b] = _Point(float(x), seconds, self.clock)
             return
-        if comove > 0 and p.y > 0 and self.clock - p.step <= 1:
-            # Only a size measured the step before tells what moved since; one re-measured after a gap finds its
-            # own staleness, which is not news for the others.
-            ratio = min(3.0, max(1.0 / 3.0, seconds / p.y)) ** comove  # one step slowed 3x by another process: 3x
-            for q in self.points.values():
-                if q is not p:
-                    q.y *= ratio
         if self.clock - p.step > 1:  # measured again after a gap: did it find the value where it was?
             p.confirms = p.confirms + 1 if abs(seconds - p.y) <= self.confirm_tol * p.y else 0
         # Exponential in time (observations of the curve), not in updates of this bucket: a size measured again
@@ -209,7 +190,6 @@ class CostModel:
     # Another regime's model (the sampled regime's: the greedy one), whose batch-size curves stand in where this
     # one's have not measured: see ``verify_seconds``.
     fallback: CostModel | None = field(default=None, repr=False)
-    verify_comove: float = VERIFY_COMOVE  # see VERIFY_COMOVE
 
     @property
     def ready(self) -> bool:
@@ -224,8 +204,7 @@ class CostModel:
         # sizes (64-188 tokens), so 576 decode tokens were interpolated cheap: the configured depth for everyone
         # was explored, 5.2 s against 0.5 s for a plain step.
         if s.num_seqs > 0 and not s.prefill_tokens:
-            self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(
-                s.verify_tokens, s.verify_s, comove=self.verify_comove)
+            self.verify_by_seqs.setdefault(Curve.bucket(s.num_seqs), Curve()).observe(s.verify_tokens, s.verify_s)
         fwd = [n for n in s.draft_forward_tokens if n > 0]
         if fwd and not s.draft_prefill:
             if s.draft_forward_s is not None and len(s.draft_forward_s) == len(fwd):
