@@ -22,7 +22,7 @@ from typing import Protocol
 
 from engine.metrics import StepTimes
 from scheduler.request import Request
-from scheduler.scheduler import PrefillChunk, ScheduledBatch
+from scheduler.scheduler import ScheduledBatch
 from workers.messages import (
     DraftCommit,
     DraftSeq,
@@ -82,10 +82,10 @@ class DraftCalls:
         self.forward_s = out.forward_s
         return out
 
-    def prefills(self, chunks: list[PrefillChunk]) -> list[PrefillSeq]:
-        """Prompt chunks, cached by the draft too (no logits)."""
+    def prefills(self, batch: ScheduledBatch) -> list[PrefillSeq]:
+        """The batch's prompt chunks, cached by the draft too (no logits)."""
         return [PrefillSeq(c.req.seq_id, self.tables[c.req.seq_id], c.start, c.req.all_token_ids[c.start:c.end])
-                for c in chunks]
+                for c in batch.prefills]
 
     def seq(self, req: Request, base_len: int, branching: list[int], **kw) -> DraftSeq:
         """Draft below the request's last token, feeding every token from ``base_len`` on."""
@@ -104,9 +104,6 @@ class NoDrafter:
         return {}
 
 
-EAGER_PLAIN_STEPS = 8  # plain steps in a row after which a lazily prefilling drafter stops sending prompt chunks
-
-
 @dataclass
 class SequentialDrafter:
     """Drafts each round's trees from the committed prefix, then waits for them.
@@ -117,13 +114,8 @@ class SequentialDrafter:
     """
 
     calls: DraftCalls
-    # Scheduler's flag: prompt chunks go to the draft only while the engine speculates (a speculative round in
-    # this step or one of the ``EAGER_PLAIN_STEPS`` steps with rounds before it), and only a chunk that starts
-    # where the draft's cache ends; otherwise the request's first speculative round feeds its prefix.
-    lazy_prefill: bool = False
-    _plain_steps: int = EAGER_PLAIN_STEPS  # steps with rounds, none speculative, since the last that had one
+    lazy_prefill: bool = False  # prompt chunks are not sent: the first round feeds the prefix (Scheduler's flag)
     _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
-    _prefilled: dict[int, int] = field(default_factory=dict)  # seq_id -> draft cache end after this step's chunk
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
     _gone: list[int] = field(default_factory=list)  # finished/preempted, dropped by the worker with the next call
 
@@ -132,25 +124,11 @@ class SequentialDrafter:
             self._commits.pop(s, None)
         self._gone += gone
         self._inflight.clear()
-        self._prefilled.clear()
-        msg = DraftStep(prefills=[] if self.lazy_prefill else self.calls.prefills(batch.prefills))
+        msg = DraftStep(prefills=[] if self.lazy_prefill else self.calls.prefills(batch))
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             if shape:  # the scheduler's policy chose this round's branching
                 msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))
                 self._inflight[r.seq_id] = (r.num_cached_draft, r.num_tokens - r.num_cached_draft)
-        if batch.rounds:
-            self._plain_steps = 0 if msg.seqs else self._plain_steps + 1
-        if self.lazy_prefill and self._plain_steps < EAGER_PLAIN_STEPS:
-            # While the engine speculates, prompt chunks go to the draft (with the rounds' call, or in one of their
-            # own in a plain step), so a new request's first round feeds one token, not its prefix. Left out, an
-            # arrival's prefix was priced spread over its rounds (``AdaptivePolicy._amortized_lag``) and grew with
-            # every plain round: at concurrency 32 (built-in pair, greedy) a few plain steps in a row put 20-30
-            # tokens of lag on every arrival, which kept plain decode priced ahead of the chains, so the arrivals
-            # kept lagging. A fixed depth never has that lag; an engine that has stopped speculating (saturated)
-            # still does no draft work.
-            ahead = [c for c in batch.prefills if c.req.num_cached_draft == c.start]
-            msg.prefills = self.calls.prefills(ahead)
-            self._prefilled = {c.req.seq_id: c.end for c in ahead}
         if not msg.seqs and not msg.prefills:
             # A plain step (the adaptive policy's K = 0 for everyone): no draft call at all. Its hand-off cost
             # 0.2-5 ms a step on a loaded CPU (4-10 % of a plain step at batch 8-32) for nothing; the pending
@@ -165,7 +143,7 @@ class SequentialDrafter:
         pass
 
     def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
-        cached = dict(self._prefilled)
+        cached = {}
         for r, tree, res in zip(batch.rounds, trees, out.results, strict=True):
             if r.seq_id in self._inflight:
                 self._commits[r.seq_id], cached[r.seq_id] = keep_drafted(r.seq_id, *self._inflight[r.seq_id],

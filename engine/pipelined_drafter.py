@@ -228,7 +228,7 @@ class PipelinedDrafter:
             self._commits.pop(s, None)
             self._inflight.pop(s, None)
         trees: dict[int, DraftTree] = {}
-        msg = DraftStep(finished=gone, prefills=self.calls.prefills(batch.prefills))
+        msg = DraftStep(finished=gone, prefills=self.calls.prefills(batch))
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             ready = self._ready.pop(r.seq_id, None)
             if not shape:

@@ -85,10 +85,9 @@ class Scheduler:
         self.policy = policy
         # The draft may write more scratch than the target verifies (pipelining pre-drafts several trees).
         self.draft_scratch_nodes = num_tree_nodes if draft_scratch_nodes is None else draft_scratch_nodes
-        # The draft sees a prompt chunk only in a step that calls it for rounds anyway (the drafter reports which
-        # it sent); a request whose chunk it missed feeds its prefix in its first speculative round (its draft
-        # blocks are still reserved with the prompt's). An adaptive engine at saturation plans K = 0 for everyone,
-        # and then the draft's prefill is work for nothing (~4 % of a no-speculation step at b64).
+        # The draft does not see prompt chunks; a request's first speculative round feeds it the whole prefix
+        # (its draft blocks are still reserved with the prompt's). An adaptive engine at saturation plans K = 0
+        # for everyone, and then the draft's prefill is work for nothing (~4 % of a no-speculation step at b64).
         self.lazy_draft_prefill = lazy_draft_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -269,9 +268,8 @@ class Scheduler:
         """
         for c in batch.prefills:
             c.req.num_cached_target = c.end
-            if self.draft_blocks is not None:  # lazy: only where the drafter sent the chunk
-                c.req.num_cached_draft = c.end if not self.lazy_draft_prefill else num_cached_draft.get(
-                    c.req.seq_id, c.req.num_cached_draft)
+            if self.draft_blocks is not None and not self.lazy_draft_prefill:
+                c.req.num_cached_draft = c.end
         for req, shape, res, drafted in zip(batch.rounds, batch.shapes, results, num_drafted, strict=True):
             req.num_cached_target = req.num_tokens + len(res.accepted_nodes)
             req.num_cached_draft = num_cached_draft.get(req.seq_id, req.num_cached_draft)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from engine.drafter import EAGER_PLAIN_STEPS
 from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.cost_model import CostModel, Curve, cost_model_to_dict
@@ -129,8 +128,7 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     drafting = [s for s in samples if s.draft_forward_tokens]
     assert drafting and all(len(s.draft_forward_s) == len(s.draft_forward_tokens) and min(s.draft_forward_s) > 0
                             and sum(s.draft_forward_s) <= s.draft_worker_s for s in drafting)
-    # a plain step calls the draft only for prompt chunks (it speculated lately), and then teaches no draft curve
-    assert all(not s.draft_forward_s for s in samples if not s.draft_forward_tokens and not s.draft_prefill)
+    assert all(not s.draft_forward_s for s in samples if not s.draft_forward_tokens)
     with LLM(llama.target, None, block_size=4) as plain:
         want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
         want += [o.token_ids for o in plain.generate(PROMPTS[:2], greedy[:2])]
@@ -165,84 +163,6 @@ def test_the_draft_sees_a_prompt_only_when_its_request_first_speculates(llama, m
         want = [o.token_ids for o in ref.generate(PROMPTS, greedy)]
     assert plain == want and spec_out == want
     assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the prompt
-
-
-def test_prompt_chunks_go_to_the_draft_while_the_engine_speculates(llama, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under continuous batching a request arrives while others speculate: its prompt chunks go to the draft (with
-    the rounds' call, or in a call of their own in a plain step soon after a speculative one), so its first round
-    feeds one token, not its prefix (which the policy prices as a lag, growing with every plain round). A chunk is
-    sent only where the draft's cache ends at the chunk's start, and not once the engine has decoded plainly for
-    ``EAGER_PLAIN_STEPS`` steps (saturated: no draft work). Greedy output stays the target's throughout."""
-    llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4,
-              max_num_batched_tokens=8)
-    engine = llm.engine
-    policy = engine.scheduler.policy
-    calls = []
-    submit = engine.executor.submit_draft
-    monkeypatch.setattr(engine.executor, "submit_draft", lambda msg: (calls.append(msg), submit(msg))[1])
-    speculate = {"on": True}
-    monkeypatch.setattr(policy, "plan", lambda reqs, prefill=False: [
-        (1,) * min(K, policy.base.cap(r)) if speculate["on"] else () for r in reqs])
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    early, late = [1, 33, 34], [1, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23]  # late: chunked (3 tokens left a step)
-    got: dict[str, list[int]] = {}
-
-    def steps(n: int) -> None:
-        for _ in range(n):
-            got.update({o.request_id: o.token_ids for o in engine.step_finished()})
-
-    def drain() -> None:
-        while engine.has_unfinished:
-            steps(1)
-
-    def seen(seq_id: int) -> tuple[list[tuple[int, int]], int | None]:
-        """The chunks of ``seq_id`` the draft saw (start, end), and the base of its first speculative round."""
-        chunks = [(p.base_len, p.base_len + len(p.token_ids)) for m in calls for p in m.prefills if p.seq_id == seq_id]
-        first = next((s.base_len for m in calls for s in m.seqs if s.seq_id == seq_id), None)
-        return chunks, first
-
-    def whole(chunks: list[tuple[int, int]]) -> bool:
-        return (len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == len(late)
-                and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False)))
-
-    # seq 0, 1: a fresh engine has not speculated yet; seq 1's first chunk shares the first step (no rounds) and
-    # its later ones do not start where its draft cache ends (0): its first round feeds the whole prefix.
-    engine.add_request("a", early, greedy)
-    engine.add_request("b", late, greedy)
-    drain()
-    assert seen(1) == ([], 0)
-    # seq 2, 3: seq 3 arrives while seq 2 speculates: every chunk goes with the rounds' calls, in order.
-    engine.add_request("c", early, greedy)
-    steps(2)
-    engine.add_request("d", late, greedy)
-    drain()
-    chunks, first = seen(3)
-    assert whole(chunks) and first == len(late)  # its first round feeds the token sampled at prefill only
-    # seq 4-6: seq 5 arrives in plain steps right after speculative ones: its chunks go in calls of their own;
-    # seq 6 arrives after EAGER_PLAIN_STEPS plain steps: none of its chunks do.
-    engine.add_request("e", early, long)
-    steps(2)
-    speculate["on"] = False
-    engine.add_request("f", late, greedy)
-    steps(3)
-    chunks, _ = seen(5)
-    assert whole(chunks) and all(not m.seqs for m in calls if any(p.seq_id == 5 for p in m.prefills))
-    steps(EAGER_PLAIN_STEPS)
-    engine.add_request("g", late, greedy)
-    steps(3)
-    speculate["on"] = True
-    drain()
-    assert seen(5)[1] == len(late)  # the tokens it decoded plainly since; not its prompt again
-    assert seen(6) == ([], 0)
-    accepted = engine.stats.as_dict()["mean_acceptance_length"]
-    llm.shutdown()
-    with LLM(llama.target, None, block_size=4) as ref:
-        want_early, want_late = [o.token_ids for o in ref.generate([early, late], greedy)]
-        want_long = ref.generate([early], long)[0].token_ids
-    assert [got[i] for i in "abcdfg"] == [want_early, want_late] * 2 + [want_late] * 2
-    assert got["e"] == want_long
-    assert accepted > 2.0  # the perturbed draft accepts most tokens only when it saw the whole prompt
 
 
 def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, monkeypatch: pytest.MonkeyPatch

@@ -9,8 +9,9 @@ on the built-in pair's prompts (cycled), or random 32-token prompts with PAIR=ra
 
 ENGINES: ``nospec``, ``k<N>`` (a fixed chain of N), ``a<N>`` (adaptive, K_max N); ``_<n>`` a second one alike.
 ``l<N>``: adaptive with the draft never sent prompt chunks (a request's first speculative round feeds its whole
-prefix), as before 14695c7. ``c<N>``: adaptive with a batch size's verify sizes not moved together
-(``CostModel.verify_comove`` 0; meaningful at 8321f60 only, reverted next).
+prefix), as before 14695c7 (meaningful at 14695c7-c2e84da, where the draft was sent prompt chunks; reverted
+after). ``c<N>``: adaptive with a batch size's verify sizes not moved together (``CostModel.verify_comove`` 0;
+meaningful at 8321f60 only, reverted next).
 Prints tokens per second per quarter of the run (by requests finished) and over the run, and the ratios.
 """
 
