@@ -173,14 +173,41 @@ def test_commit_copies_the_path_kv_across_blocks_in_every_layer() -> None:
         torch.testing.assert_close(cache.kv[:, :, slot(table, p)], before[:, :, slot(table, p)], rtol=0, atol=0)
 
 
+def _rounds_of_mixed_depths() -> list[SeqForward]:
+    """Verify rounds of chains 1, 4 and 8 deep (2, 5, 9 queries) and a tree, over contexts of different lengths:
+    one layout would pad every sequence to 11 queries."""
+    tree = [-1] + [0 if p < 0 else 1 + p for p in TREE_221]
+    chain = lambda n: [-1] + list(range(n - 1))  # noqa: E731
+    return [SeqForward([0, 1, 2, 3], 7, chain(9), list(range(9))),
+            SeqForward([4, 5], 3, chain(2), [1, 2]),
+            SeqForward([6, 7, 8, 9, 10], 9, tree, list(range(11))),
+            SeqForward([11, 12, 13], 1, chain(5), list(range(5))),
+            SeqForward([14, 15], 5, chain(2), [3, 4])]
+
+
+def test_rounds_of_different_depths_attend_apart_where_padding_costs_more_than_a_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Grouped by query count: together where the padding saved is worth less than ``GROUP_CALL_PAIRS``."""
+    assert input_batch.attention_groups([1] * 30 + [9, 9], [400] * 32) == [list(range(30)), [30, 31]]
+    assert input_batch.attention_groups([20, 5, 1, 5], [30, 1000, 1000, 1000]) == [[0], [2], [1, 3]]
+    assert input_batch.attention_groups([4, 5, 4, 5], [8, 8, 8, 8]) == [[0, 1, 2, 3]]  # 8 pairs saved: one call
+    assert input_batch.attention_groups([5] * 8, [300] * 8) == [list(range(8))]
+    assert len(build_batch(_rounds_of_mixed_depths(), BS).meta.groups) == 0  # tiny contexts: one call pays
+    monkeypatch.setattr(input_batch, "GROUP_CALL_PAIRS", 0)
+    assert len(build_batch(_rounds_of_mixed_depths(), BS).meta.groups) == 4  # 2, 5, 9 and 11 queries
+
+
+@pytest.mark.parametrize("seqs", [_chunk_beside_rounds, _rounds_of_mixed_depths])
 @pytest.mark.parametrize("row_invariant", [False, True])
-def test_a_chunk_attending_apart_gives_the_one_call_output(row_invariant: bool,
+def test_a_chunk_attending_apart_gives_the_one_call_output(row_invariant: bool, seqs,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The grouped attention (prompt chunk apart from the rounds) equals the single padded call, on the batched
-    and on the row-by-row path."""
-    seqs = _chunk_beside_rounds()
+    """The grouped attention (prompt chunk apart from the rounds; rounds of different depths apart) equals the
+    single padded call, on the batched and on the row-by-row path."""
+    seqs = seqs()
+    monkeypatch.setattr(input_batch, "GROUP_CALL_PAIRS", 0)  # every query count apart
     batch = build_batch(seqs, BS)
     monkeypatch.setattr(input_batch, "SPLIT_QUERIES", 10**9)  # the reference: one layout for all
+    monkeypatch.setattr(input_batch, "GROUP_CALL_PAIRS", 10**12)
     one_call = build_batch(seqs, BS)
     t = batch.input_ids.shape[0]
     gen = torch.Generator().manual_seed(0)
@@ -190,5 +217,5 @@ def test_a_chunk_attending_apart_gives_the_one_call_output(row_invariant: bool,
         cache = KVCache(1, NUM_BLOCKS, BS, 2, 8)
         cache.kv.normal_(generator=gen.manual_seed(1))
         outs.append(PagedContext(meta, cache, row_invariant=row_invariant).attend(0, q, k, v))  # [T, 2, 8]
-    assert len(batch.meta.groups) == 2 and not one_call.meta.groups
+    assert len(batch.meta.groups) >= 2 and not one_call.meta.groups
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ contiguous blocks, no query padding when every sequence feeds the same number of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -135,19 +136,15 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         tables.append(s.block_table[: -(-needed // block_size)])
 
     slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
-    # A prompt chunk beside decode rounds would pad every sequence's queries to the chunk's length: at batch 32 one
-    # 249-token chunk with 31 single-token rounds made an attention of 32 x 249 queries, and the step took 1.2 s
-    # instead of ~0.3 s. Long and short query groups get their own layouts and attend apart (``PagedContext``).
-    long = [i for i, n in enumerate(n_new) if n > SPLIT_QUERIES]
-    if not long or len(long) == len(n_new):
+    groups = attention_groups(n_new, n_keys)
+    if len(groups) <= 1:
         meta = _layout(slots, n_new, n_keys, tables, limits, chains, trees, block_size, device)
     else:
         meta = PagedMetadata(slot_mapping=slots, num_seqs=len(n_new), num_queries=max(n_new), num_keys=max(n_keys))
-        short = [i for i, n in enumerate(n_new) if n <= SPLIT_QUERIES]
         starts = [0]
         for n in n_new:
             starts.append(starts[-1] + n)
-        for group in (long, short):
+        for group in groups:
             at = {i: g for g, i in enumerate(group)}
             rows = [r for i in group for r in range(starts[i], starts[i] + n_new[i])]
             meta.groups.append(_layout(None, [n_new[i] for i in group], [n_keys[i] for i in group],
@@ -170,6 +167,45 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
 
 
 SPLIT_QUERIES = 16  # sequences feeding more new tokens than this (prompt chunks) attend apart from the others
+# What attending apart costs (another gather and SDPA call per layer), in padded query-key pairs: sequences of
+# different query counts attend together unless apart they compute this many fewer pairs.
+GROUP_CALL_PAIRS = 2048
+
+
+def attention_groups(n_new: list[int], n_keys: list[int]) -> list[list[int]]:
+    """The attention batch's sequences (by index) split into groups that attend apart, each padded to its own
+    longest query and key count.
+
+    One layout pads every sequence's queries to the longest: a prompt chunk beside decode rounds made, at batch
+    32, one 249-token chunk and 31 single-token rounds an attention of 32 x 249 queries (1.2 s a step instead of
+    ~0.3 s), so prompt chunks (over ``SPLIT_QUERIES``) attend apart. Decode rounds of different depths pad alike:
+    at batch 32 (built-in target, ~300-token contexts) one depth-8 round beside 31 of depth 4 made the verify
+    ~20 % dearer than 32 rounds of depth 4, about what 32 of depth 5 cost. So the rounds are grouped by query
+    count too, adjacent counts merged where apart they would save fewer than ``GROUP_CALL_PAIRS`` padded pairs
+    (the fewest total padded pairs plus that per group, over the partitions of the sorted counts)."""
+    long = [i for i, n in enumerate(n_new) if n > SPLIT_QUERIES]
+    short = [i for i, n in enumerate(n_new) if n <= SPLIT_QUERIES]
+    counts = sorted({n_new[i] for i in short})
+    members: dict[int, list[int]] = {q: [] for q in counts}
+    for i in short:
+        members[n_new[i]].append(i)
+    keys = {q: max(n_keys[i] for i in members[q]) for q in counts}
+    # best[j]: the cheapest split of counts[:j]; cut[j]: where its last group starts.
+    best, cut = [0.0] + [math.inf] * len(counts), [0] * (len(counts) + 1)
+    for j in range(1, len(counts) + 1):
+        seqs, top_keys = 0, 0
+        for i in range(j - 1, -1, -1):  # the last group: counts[i:j]
+            seqs += len(members[counts[i]])
+            top_keys = max(top_keys, keys[counts[i]])
+            cost = best[i] + seqs * counts[j - 1] * top_keys + GROUP_CALL_PAIRS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups: list[list[int]] = []
+    j = len(counts)
+    while j > 0:
+        groups.append(sorted(i for q in counts[cut[j]:j] for i in members[q]))
+        j = cut[j]
+    return ([long] if long else []) + groups[::-1]
 
 
 def _layout(slots: torch.Tensor | None, n_new: list[int], n_keys: list[int], tables: list[list[int]],
