@@ -192,6 +192,9 @@ def test_rounds_of_different_depths_attend_apart_where_padding_costs_more_than_a
     assert input_batch.attention_groups([20, 5, 1, 5], [30, 1000, 1000, 1000]) == [[0], [2], [1, 3]]
     assert input_batch.attention_groups([4, 5, 4, 5], [8, 8, 8, 8]) == [[0, 1, 2, 3]]  # 8 pairs saved: one call
     assert input_batch.attention_groups([5] * 8, [300] * 8) == [list(range(8))]
+    # on a GPU a call costs more than that padding
+    assert input_batch.attention_groups([1] * 30 + [9, 9], [400] * 32, input_batch.GROUP_CALL_PAIRS_GPU) == [
+        list(range(32))]
     assert len(build_batch(_rounds_of_mixed_depths(), BS).meta.groups) == 0  # tiny contexts: one call pays
     monkeypatch.setattr(input_batch, "GROUP_CALL_PAIRS", 0)
     assert len(build_batch(_rounds_of_mixed_depths(), BS).meta.groups) == 4  # 2, 5, 9 and 11 queries

@@ -136,7 +136,8 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         tables.append(s.block_table[: -(-needed // block_size)])
 
     slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
-    groups = attention_groups(n_new, n_keys)
+    groups = attention_groups(n_new, n_keys, GROUP_CALL_PAIRS if torch.device(device).type == "cpu"
+                              else GROUP_CALL_PAIRS_GPU)
     if len(groups) <= 1:
         meta = _layout(slots, n_new, n_keys, tables, limits, chains, trees, block_size, device)
     else:
@@ -170,9 +171,13 @@ SPLIT_QUERIES = 16  # sequences feeding more new tokens than this (prompt chunks
 # What attending apart costs (another gather and SDPA call per layer), in padded query-key pairs: sequences of
 # different query counts attend together unless apart they compute this many fewer pairs.
 GROUP_CALL_PAIRS = 2048
+# On a GPU padded pairs are cheap and a call is not (a kernel launch per layer); not measured yet (no GPU lent):
+# ~0.1 ms of SDPA per 2.5e5 pairs at ~10 TFLOP/s with 16 x 32-dim heads, against ~20-40 us per extra call.
+GROUP_CALL_PAIRS_GPU = 1 << 18
 
 
-def attention_groups(n_new: list[int], n_keys: list[int]) -> list[list[int]]:
+def attention_groups(n_new: list[int], n_keys: list[int], call_pairs: int = GROUP_CALL_PAIRS
+                     ) -> list[list[int]]:
     """The attention batch's sequences (by index) split into groups that attend apart, each padded to its own
     longest query and key count.
 
@@ -181,7 +186,7 @@ def attention_groups(n_new: list[int], n_keys: list[int]) -> list[list[int]]:
     ~0.3 s), so prompt chunks (over ``SPLIT_QUERIES``) attend apart. Decode rounds of different depths pad alike:
     at batch 32 (built-in target, ~300-token contexts) one depth-8 round beside 31 of depth 4 made the verify
     ~20 % dearer than 32 rounds of depth 4, about what 32 of depth 5 cost. So the rounds are grouped by query
-    count too, adjacent counts merged where apart they would save fewer than ``GROUP_CALL_PAIRS`` padded pairs
+    count too, adjacent counts merged where apart they would save fewer than ``call_pairs`` padded pairs
     (the fewest total padded pairs plus that per group, over the partitions of the sorted counts)."""
     long = [i for i, n in enumerate(n_new) if n > SPLIT_QUERIES]
     short = [i for i, n in enumerate(n_new) if n <= SPLIT_QUERIES]
@@ -197,7 +202,7 @@ def attention_groups(n_new: list[int], n_keys: list[int]) -> list[list[int]]:
         for i in range(j - 1, -1, -1):  # the last group: counts[i:j]
             seqs += len(members[counts[i]])
             top_keys = max(top_keys, keys[counts[i]])
-            cost = best[i] + seqs * counts[j - 1] * top_keys + GROUP_CALL_PAIRS
+            cost = best[i] + seqs * counts[j - 1] * top_keys + call_pairs
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups: list[list[int]] = []
