@@ -11,7 +11,8 @@ ENGINES: ``nospec``, ``k<N>`` (a fixed chain of N), ``a<N>`` (adaptive, K_max N)
 ``l<N>``: adaptive with the draft never sent prompt chunks (a request's first speculative round feeds its whole
 prefix), as before 14695c7 (meaningful at 14695c7-c2e84da, where the draft was sent prompt chunks; reverted
 after). ``c<N>``: adaptive with a batch size's verify sizes not moved together (``CostModel.verify_comove`` 0;
-meaningful at 8321f60 only, reverted next).
+meaningful at 8321f60 only, reverted next). ``p<N>``: adaptive with every attention in one padded call (its steps run
+with ``workers.input_batch.GROUP_CALL_PAIRS`` 1e12: rounds of different depths not grouped, as before b690b6b).
 Prints tokens per second per quarter of the run (by requests finished) and over the run, and the ratios.
 """
 
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer
 from engine.benchmarks.compare import load_prompts
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
+from workers import input_batch
 
 torch.set_num_threads(1)
 temp, conc, n_req, names = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
@@ -40,7 +42,7 @@ else:
 def make(name: str) -> LLM:
     depth = int(name[1:].split("_")[0]) if name != "nospec" else 0
     spec = None if name == "nospec" else {"method": "draft_model", "model": f"{d}/draft",
-                                          "num_speculative_tokens": depth, "adaptive": name[0] in "alc"}
+                                          "num_speculative_tokens": depth, "adaptive": name[0] in "alcp"}
     llm = LLM(f"{d}/target", spec, max_num_seqs=max(64, conc), num_kv_tokens=max(64, conc) * 600)
     if name[0] == "l":
         dr = llm.engine.drafter
@@ -52,6 +54,7 @@ def make(name: str) -> LLM:
 
 
 engines = {n: make(n).engine for n in names}
+grouped = input_batch.GROUP_CALL_PAIRS
 params = SamplingParams(max_tokens=max_tokens, temperature=temp, ignore_eos=True)
 admitted = dict.fromkeys(names, 0)
 quarters = {n: [[0, 0.0] for _ in range(4)] for n in names}  # [tokens, seconds] by the quarter finished so far
@@ -66,6 +69,7 @@ while any(len(outs[n]) < n_req for n in names):
         if not eng.has_unfinished:
             continue
         e0 = eng.stats.num_emitted + eng.stats.num_plain_rounds
+        input_batch.GROUP_CALL_PAIRS = 10**12 if n[0] == "p" else grouped  # in-process workers: per step
         t0 = time.perf_counter()
         finished = eng.step_finished()
         q = quarters[n][min(3, 4 * len(outs[n]) // n_req)]
@@ -84,7 +88,7 @@ for ref in [max((n for n in names if n.startswith("k")), key=lambda n: total[n],
             "nospec" if "nospec" in names else None]:
     if ref:
         print(f"vs {ref}: " + ", ".join(f"{n} {t / total[ref]:.3f}" for n, t in total.items()))
-chosen = {n: engines[n].stats.as_dict().get("mean_chosen_depth") for n in names if n[0] in "alc"}
+chosen = {n: engines[n].stats.as_dict().get("mean_chosen_depth") for n in names if n[0] in "alcp"}
 print("mean chosen depth: " + ", ".join(f"{n} {v}" for n, v in chosen.items()))
 for n in names:  # where each engine's step time went (schedule_s holds the policy's planning)
     s = engines[n].stats.as_dict()
