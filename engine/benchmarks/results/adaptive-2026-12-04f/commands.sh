@@ -31,3 +31,9 @@ fresh python $F 0.8 32 192 a8,p8,k5 > $R/control-t08-c32.txt
 fresh python $F 0 64 256 a8,p8,k4 > $R/control-t0-c64.txt
 PAIR=random fresh python $F 0 32 128 a8,nospec > $R/grouped-random-t0-c32-2.txt
 # served, interleaved: sweep-builtin-t0/ and sweep-builtin-t0.8/command-and-log.txt have the exact commands
+# at 95306cb (the first version of step_split.py, the same loop; its output):
+fresh python $R/step_split.py > $R/step-split-random-t0-c32-95306cb.txt
+PAIR=random fresh python $F 0 32 384 a8,nospec > $R/grouped-random-t0-c32-long.txt
+PAIR=random fresh python $F 0.8 32 384 a8,nospec > $R/grouped-random-t08-c32-long.txt
+SPECSERVE_CACHE_DIR=$(mktemp -d) specserve bench compare --target runs/random-pair/target --draft runs/random-pair/draft --num-prompts 8 --max-tokens 48 --batches 1 --temperatures 0,0.8 --unseeded --repeats 2 --skip-hf --skip-floor --modes specserve_nospec,specserve_chain,specserve_adaptive --k 4 --fixed-ks 2,6,8 --threads 1 > $R/random-b1.txt  # at 95306cb
+# served, at 95306cb: sweep-builtin-t0.8-c32-64/ and sweep-random-t0.8/command-and-log.txt have the exact commands
