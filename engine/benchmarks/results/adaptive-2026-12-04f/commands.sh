@@ -5,10 +5,10 @@ export OMP_NUM_THREADS=1
 fresh() { SPECSERVE_CACHE_DIR=$(mktemp -d) "$@"; }
 # at 14695c7 (prompt chunks sent with a step's draft call for rounds; l8: never sent, as before):
 fresh python $F 0 32 192 a8,l8,k4 > $R/eager-t0-c32.txt
-fresh python $R/flow_reasons.py 0 32 192 4 > $R/reasons-t0-c32-14695c7.txt
+fresh python engine/benchmarks/results/adaptive-2026-12-04e/flow_reasons.py 0 32 192 4 > $R/reasons-t0-c32-14695c7.txt
 # at 2585c90 (also in plain steps within 8 of a speculative one):
 fresh python $F 0 32 192 a8,l8,k4 > $R/eager2-t0-c32.txt
-fresh python $R/flow_reasons.py 0 32 192 4 > $R/reasons-t0-c32-2585c90.txt
+fresh python engine/benchmarks/results/adaptive-2026-12-04e/flow_reasons.py 0 32 192 4 > $R/reasons-t0-c32-2585c90.txt
 fresh python $R/pred_vs_real.py 0 32 128 > $R/pred-vs-real-t0-c32-2585c90.txt
 # at 8321f60 with its condition (a size measured the step before) removed, not committed (c8: no co-movement):
 fresh python $F 0 32 192 a8,c8,k4 > $R/comove-any-t0-c32.txt
