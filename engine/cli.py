@@ -10,11 +10,11 @@ import signal
 import sys
 import threading
 
-from engine import batch_cli
-from engine.args import EngineArgs
-from engine.batch_job import OutputWriteError, ResumePoint, resume_point, run_batch
-from engine.jsonl import count_lines, iter_lines
-from engine.llm_engine import LLMEngine
+from engine.core.args import EngineArgs
+from engine.core.llm_engine import LLMEngine
+from engine.jobs import cli as batch_cli
+from engine.jobs.generate import OutputWriteError, ResumePoint, resume_point, run_batch
+from engine.jobs.jsonl import count_lines, iter_lines
 from engine.server import cli as server_cli
 
 
@@ -74,18 +74,18 @@ def _sigterm_as_exit():
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.name == "serve":
-        from engine.benchmarks import serve
+        from benchmarks import serve
 
         return serve.main(args.rest)
     if args.name == "sweep":
-        from engine.benchmarks import sweep
+        from benchmarks import sweep
 
         return sweep.main(args.rest)
     if args.name == "simulate":
-        from engine.benchmarks import simulate
+        from benchmarks import simulate
 
         return simulate.main(args.rest)
-    from engine.benchmarks import compare
+    from benchmarks import compare
 
     return compare.main(args.rest)
 

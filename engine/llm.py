@@ -7,10 +7,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.args import EngineArgs
-from engine.config import SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta, RequestOutput
+from engine.core.args import EngineArgs
+from engine.core.config import SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
+from engine.core.outputs import RequestDelta, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 
@@ -21,7 +21,7 @@ class LLM:
     ``speculative_config``: a dict or JSON string, vLLM-style: ``{"method": "draft_model", "model": DIR,
     "num_speculative_tokens": K}`` plus ``tree_branching`` / ``tree_sampling`` / ``max_tree_nodes``; None
     means no speculation (unless the default models are used; "none" turns their draft off).
-    Keyword arguments: the fields of ``engine.args.EngineArgs`` (the CLI's flags), with the same defaults.
+    Keyword arguments: the fields of ``engine.core.args.EngineArgs`` (the CLI's flags), with the same defaults.
     """
 
     def __init__(self, target: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,

@@ -159,7 +159,7 @@ class AcceptanceTracker:
         Over 32 (a spread too small to measure): infinite, every request of the regime planned from the engine's
         rates. A request remembers ~5 rounds (``request_decay``), so past 32 its own rounds were under a seventh of
         its estimate and moved its plan by their noise only: on the built-in pair at batch 32 (greedy, in lockstep
-        with a fixed chain of 4; engine/benchmarks/results/adaptive-2026-12-04c/) the engine's rates ran 0.96-0.97x
+        with a fixed chain of 4; benchmarks/results/adaptive-2026-12-04c/) the engine's rates ran 0.96-0.97x
         the chain where weight 32 ran 0.93-0.95x in the same runs, and 256 (the estimate itself, ~59) 0.96x
         against 0.95x.
 

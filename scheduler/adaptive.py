@@ -16,7 +16,7 @@ Stability: the previous step's choice, re-priced with today's estimates, stays u
 
 Exploration keeps the cost curves current (scheduler/exploration.py): now and then one step runs a plan the
 policy is not using, to measure its size again. The engine seeds both curves at start-up with a few steps of
-dummy sequences over depths and batch sizes (engine/policy_warmup.py, through ``forced``); until they can price a
+dummy sequences over depths and batch sizes (engine/core/policy_warmup.py, through ``forced``); until they can price a
 plan, plain decode and a few requests at the configured shape take turns (``_cold``).
 
 Reproducibility: greedy output never depends on any of this (the depth never changes a greedy token), and

@@ -1,13 +1,13 @@
 """The measured cost of a step, for the adaptive speculation policy (stdlib only).
 
-A step costs ``draft + verify + state`` seconds (engine/metrics.py ``StepTimes`` splits the wall time the same
+A step costs ``draft + verify + state`` seconds (engine/core/metrics.py ``StepTimes`` splits the wall time the same
 way). Each part is a measured curve, not an assumed formula:
 
 - ``verify``: seconds of the target call vs the tokens it forwards (in-flight tokens + tree nodes + prefill);
   flat while the target is memory-bound, rising once the batch fills the compute units. The same tokens cost
   more spread over more sequences (each reads its own context, samples its own rows): a target call of 32 tokens
   took 33.4 ms of CPU as 32 sequences x 1 and 23.8 as 8 x 4 greedy, 34.8 and 28-33 at T = 0.8 (built-in pair,
-  ``python -m engine.benchmarks.verify_seqs``). One curve over tokens mixes the two, and the plain plan of a
+  ``python -m benchmarks.verify_seqs``). One curve over tokens mixes the two, and the plain plan of a
   batch of 32 was priced from a batch of 8's cheaper 32-token steps. So each
   log2 bucket of the sequence count keeps its own curve (``verify_by_seqs``): a plan, whose sequences are the
   batch's at every depth, is priced on its batch's curve, and past that curve's measured sizes on the shape of

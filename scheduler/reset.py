@@ -1,4 +1,4 @@
-"""Start the bookkeeping over after a worker group lost its cache (engine/recovery.py).
+"""Start the bookkeeping over after a worker group lost its cache (engine/execution/recovery.py).
 
 Nothing the scheduler believed about a lost cache is kept; the counters are derived from the requests again.
 

@@ -19,7 +19,7 @@ from tests.helpers_models import make_tiny_checkpoint
 
 torch.set_num_threads(1)
 
-# The adaptive policy's start-up profiles (engine/policy_warmup.py) go to a folder of this run's own, never the
+# The adaptive policy's start-up profiles (engine/core/policy_warmup.py) go to a folder of this run's own, never the
 # user's cache: engines of one setup (the built-in pair behind most servers the tests start, which inherit this
 # environment) profile once per run instead of once per start.
 _PROFILES = tempfile.mkdtemp(prefix="specserve-test-profiles-")

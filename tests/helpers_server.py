@@ -93,7 +93,7 @@ class ThreadServer:
 
 @dataclass
 class FakeDelta:
-    """The fields of engine/outputs.py RequestDelta."""
+    """The fields of engine/core/outputs.py RequestDelta."""
 
     request_id: str
     new_token_ids: list[int]

@@ -169,7 +169,7 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
                                                               ) -> None:
     """The first engine profiles and writes its curves; a second one of the same setup reads them instead of
     profiling, with the same greedy output; another setup, a cache turned off, and an unreadable file profile."""
-    import engine.policy_warmup as warmup
+    import engine.core.policy_warmup as warmup
     from scheduler.cost_model import cost_model_to_dict
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
@@ -245,7 +245,7 @@ def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.Mo
     exploration measured a second size there."""
     from types import SimpleNamespace
 
-    import engine.policy_warmup as warmup
+    import engine.core.policy_warmup as warmup
     from scheduler.spec_policy import SpecPolicy, TreeShape
 
     clock = {"t": 0.0}

@@ -965,7 +965,7 @@ def test_while_speculating_a_deeper_size_measured_dear_is_measured_again() -> No
 
 
 def test_the_mean_chosen_depth_counts_a_trees_depth() -> None:
-    from engine.metrics import SpecDecodingStats
+    from engine.core.metrics import SpecDecodingStats
 
     s = SpecDecodingStats()
     for shape in [(), (1, 1), (2, 1, 1, 1)]:

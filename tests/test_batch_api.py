@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 from tests.helpers_server import REPO, SubprocessServer
 
 MODEL = "specserve-default"

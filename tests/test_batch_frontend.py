@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from engine.jobs import JobStore
+from engine.jobs.store import JobStore
 from engine.server.batches import batch_router
 from tests.helpers_server import FakeEngine, FakeTokenizer, ThreadServer, fake_stats, wait_until
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import load_file
 
-from engine.benchmarks.compare import main as compare_main
-from engine.benchmarks.engine_runs import engine_run
-from engine.benchmarks.random_pair import make_random_pair, parse_shape
+from benchmarks.compare import main as compare_main
+from benchmarks.engine_runs import engine_run
+from benchmarks.random_pair import make_random_pair, parse_shape
 
 
 def test_random_shape_is_checked() -> None:
@@ -82,7 +82,7 @@ def test_the_adaptive_ratios_are_also_paired_within_each_repeat() -> None:
     """The machine's speed moves between repeats: adaptive 100 then 50 tokens per CPU-second, a fixed chain 50
     then 100 in the other order. The ratio of medians is 1.0 whatever happened within each repeat; the paired one
     shows each repeat's 2.0 and 0.5."""
-    from engine.benchmarks.compare_report import Row, paired
+    from benchmarks.compare_report import Row, paired
 
     a = Row("specserve_adaptive", 0.8, 1, tokens=100, cpu_seconds=[1.0, 2.0, 1.0])
     k = Row("specserve_k6", 0.8, 1, tokens=100, cpu_seconds=[2.0, 1.0, 1.0])
@@ -93,7 +93,7 @@ def test_the_adaptive_ratios_are_also_paired_within_each_repeat() -> None:
 def test_prompts_for_a_model_without_a_tokenizer(tmp_path) -> None:
     """The random pair has no tokenizer: a prompt file's text lines are skipped (they crashed the run), its token-id
     lines are kept where they fit the vocabulary, and with none left the prompts are random ids."""
-    from engine.benchmarks.compare import load_prompts
+    from benchmarks.compare import load_prompts
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "def f():"}\n{"prompt_token_ids": [5, 6, 7]}\n{"prompt_token_ids": [5, 900]}\n')
@@ -134,8 +134,8 @@ class _SteppingEngine:
 def test_lockstep_alternates_the_modes_and_times_each_by_its_own_steps() -> None:
     """``--lockstep``: one step of each mode in turn (the order rotating), each mode's seconds the sum of its own
     steps only (a slow mode beside a fast one does not slow the fast one's figure), outputs in prompt order."""
-    from engine.benchmarks.compare_report import Row
-    from engine.benchmarks.engine_runs import engine_lockstep
+    from benchmarks.compare_report import Row
+    from benchmarks.engine_runs import engine_lockstep
 
     log: list[str] = []
     llms = {"slow": SimpleNamespace(engine=_SteppingEngine("slow", 0.03, 3, log)),
@@ -163,8 +163,8 @@ def test_lockstep_on_the_random_pair_keeps_greedy_outputs(tmp_path) -> None:
     assert set(rows) == {"specserve_nospec", "specserve_chain", "specserve_adaptive", "specserve_pipelined"}
     assert all(len(r["cpu_seconds"]) == 2 and r["tok_cpu_s"] > 0 for r in rows.values())
     # The same engines' outputs, stepping in turn.
-    from engine.benchmarks.compare_report import Row
-    from engine.benchmarks.engine_runs import engine_lockstep
+    from benchmarks.compare_report import Row
+    from benchmarks.engine_runs import engine_lockstep
     from engine.llm import LLM
 
     target, draft = (str(tmp_path / "pairs" / "64x3x128-accepting" / m) for m in ("target", "draft"))

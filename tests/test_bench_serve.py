@@ -10,11 +10,11 @@ import statistics
 
 import pytest
 
-from engine.benchmarks.openai_stream import CHAT
-from engine.benchmarks.serve import BenchConfig, run_benchmark
-from engine.benchmarks.serve_report import latency_stats, parse_goodput, peak_concurrency
-from engine.benchmarks.server_metrics import parse_metrics, spec_decode_delta
-from engine.benchmarks.workload import BenchRequest, arrival_offsets, load_jsonl, random_requests
+from benchmarks.openai_stream import CHAT
+from benchmarks.serve import BenchConfig, run_benchmark
+from benchmarks.serve_report import latency_stats, parse_goodput, peak_concurrency
+from benchmarks.server_metrics import parse_metrics, spec_decode_delta
+from benchmarks.workload import BenchRequest, arrival_offsets, load_jsonl, random_requests
 from tests.stub_openai_server import ACCEPTED_PER_POS, DRAFT_TOKENS_PER_REQ, DRAFTS_PER_REQ, Schedule, StubServer
 
 # The stub answers after 50 ms, streams the first token 100 ms later, then one every 20 ms.
@@ -266,7 +266,7 @@ def test_chosen_depths_of_a_run_from_specserve_metrics():
 
 
 def test_peak_concurrency_from_records():
-    from engine.benchmarks.openai_stream import RequestRecord
+    from benchmarks.openai_stream import RequestRecord
 
     recs = [RequestRecord(0, "a", send_time=0.0, e2el=1.0), RequestRecord(1, "b", send_time=0.5, e2el=1.0),
             RequestRecord(2, "c", send_time=1.0, e2el=1.0), RequestRecord(3, "d", send_time=1.5, e2el=None)]

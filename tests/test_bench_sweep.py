@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from engine.benchmarks.knee import find_knee, stop_climbing
-from engine.benchmarks.server_process import ServerProcess
-from engine.benchmarks.sweep import main as sweep_main
-from engine.benchmarks.sweep import parse_configs, parse_ladder
+from benchmarks.knee import find_knee, stop_climbing
+from benchmarks.server_process import ServerProcess
+from benchmarks.sweep import main as sweep_main
+from benchmarks.sweep import parse_configs, parse_ladder
 from tests.stub_openai_server import Schedule, StubServer
 
 LOADS = [1, 2, 4, 8, 16, 32]
@@ -81,7 +81,7 @@ def test_parse_ladder_and_configs():
     assert [c.name for c in cfgs] == ["off", "k4", "config2", "vllm"]
     assert cfgs[0].speculative_config == "none" and json.loads(cfgs[1].speculative_config)["model"] == "/d"
     assert cfgs[3].url == "http://h:8000"
-    from engine.config import default_model_dirs
+    from engine.core.config import default_model_dirs
 
     try:
         draft = default_model_dirs()[1]
@@ -141,7 +141,7 @@ def test_a_sweep_stopped_with_sigterm_stops_its_servers(tmp_path):
     import signal
     import subprocess
 
-    code = ("import sys, time; from engine.benchmarks.server_process import ServerProcess\n"
+    code = ("import sys, time; from benchmarks.server_process import ServerProcess\n"
             f"with ServerProcess({_stub_cmd(Schedule())!r}, {str(tmp_path / 's.log')!r}, startup_timeout_s=30,"
             " stop_timeout_s=5) as sp:\n"
             "    print(sp.proc.pid, flush=True)\n"
@@ -291,7 +291,7 @@ def test_a_rung_without_streamed_tokens_logs_a_dash_not_nan(monkeypatch, capsys)
     """A server whose streams carry nothing until the end has no TTFT or TPOT: the rung's line says '-'."""
     import argparse
 
-    from engine.benchmarks import sweep
+    from benchmarks import sweep
 
     result = {"output_throughput": 12.5, "median_ttft_ms": None, "median_tpot_ms": float("nan"), "failed": 0}
     monkeypatch.setattr(sweep, "config_from_args", lambda *a: None)

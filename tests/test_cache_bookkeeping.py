@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
+from engine.core.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
 from tests.conftest import spec, workers

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 
 
 def test_generate_on_the_builtin_pair_with_bad_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -50,12 +50,12 @@ def test_generate_reports_a_missing_input_file(tmp_path: Path, capsys: pytest.Ca
 
 def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.llm_engine
+    import engine.core.llm_engine
     from engine import LLM, SamplingParams
-    from engine.llm_engine import EngineDeadError
+    from engine.core.llm_engine import EngineDeadError
     from workers.target_worker import TargetWorker
 
-    real_step, real_warm_up = TargetWorker.step, engine.llm_engine.warm_up_policy
+    real_step, real_warm_up = TargetWorker.step, engine.core.llm_engine.warm_up_policy
     calls = {"n": 0, "warming": False}
 
     def failing_step(self, msg):  # the third target step of the user's requests fails, as a dying worker would
@@ -73,7 +73,7 @@ def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
             calls["warming"] = False
 
     monkeypatch.setattr(TargetWorker, "step", failing_step)
-    monkeypatch.setattr(engine.llm_engine, "warm_up_policy", warm_up)
+    monkeypatch.setattr(engine.core.llm_engine, "warm_up_policy", warm_up)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join([json.dumps({"id": "short", "prompt": "def f():", "max_tokens": 1}),
                               "{bad",

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from engine import codec
+from engine.execution import codec
 from workers import messages as m
 from workers.law_channel import DraftLaws, pack_laws, unpack_laws
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.core.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import SchedulerConfig
 from tests.conftest import run_to_completion, spec, workers
@@ -166,7 +166,7 @@ def test_pipelined_v4_draft_rolls_its_state_back(v4) -> None:
 
 
 def test_pipeline_switching_with_a_compressed_state_draft(v4) -> None:
-    """Steps forced pipelined and sequential in turn (engine/pipeline_switch.py): the compressed-state draft follows
+    """Steps forced pipelined and sequential in turn (pipeline_switch.py): the compressed-state draft follows
     both kinds of commit and the hand-overs between them; outputs equal the oracle."""
     target, draft, expected = v4
     llm = LLM(target, {**spec(draft, None, [2, 2, 1]), "pipeline": True})

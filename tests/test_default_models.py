@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import DEFAULT_MODELS_DIR, DEFAULT_NUM_SPECULATIVE_TOKENS
+from engine.core.config import DEFAULT_MODELS_DIR, DEFAULT_NUM_SPECULATIVE_TOKENS
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 from tests.test_tp_layers import free_port, run_logits
 from training.widen_heads import widen_checkpoint
 from workers.loader import load_model

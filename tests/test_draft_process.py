@@ -1,4 +1,4 @@
-"""The draft in a local process of its own (engine/draft_process.py): same outputs, pinned cores, a dead draft
+"""The draft in a local process of its own (engine/execution/draft_process.py): same outputs, pinned cores, a dead draft
 process noticed at once and replaced."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.faults import WorkerDiedError
+from engine.execution.faults import WorkerDiedError
 from tests.conftest import spec
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45))]

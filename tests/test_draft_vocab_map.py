@@ -137,8 +137,8 @@ def test_a_map_for_another_vocabulary_is_refused(greedy_pair, small_vocab, tmp_p
 def test_smollm2_short_name_takes_its_shipped_draft(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--target smollm2`` speculates with engine/default_models/smollm2-draft when it is shipped; 'none' and an
     explicit model still win; with no shipped draft it runs without speculation, as before."""
-    import engine.config as config
-    from engine.args import EngineArgs
+    import engine.core.config as config
+    from engine.core.args import EngineArgs
     from tests.helpers_gguf import smollm2_path
 
     gguf = smollm2_path()
@@ -161,7 +161,7 @@ def test_full_vocab_view_for_transformers_assisted_generation(greedy_pair) -> No
     law as the engine's draft worker (and its greedy output is the target's)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.benchmarks.compare import full_vocab_view
+    from benchmarks.compare import full_vocab_view
 
     target_dir, draft_dir = greedy_pair
     vmap = DraftVocabMap.load(draft_dir)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from engine.args import EngineArgs
 from engine.cli import main
-from engine.config import CacheConfig, ParallelConfig, default_model_dirs
+from engine.core.args import EngineArgs
+from engine.core.config import CacheConfig, ParallelConfig, default_model_dirs
 from scheduler.scheduler import SchedulerConfig
 
 # Every flag the CLI had before EngineArgs, as README commands and scripts spell them.

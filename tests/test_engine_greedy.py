@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.core.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.core.llm_engine import LLMEngine
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import random_plans, run_to_completion, spec

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.llm_engine
+import engine.core.llm_engine
 from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.cost_model import CostModel, Curve
@@ -215,7 +215,7 @@ def test_speculative_output_follows_the_target_law(small_vocab, target_logits, c
         # The harness seeds its requests (a deterministic test), and the policy pins seeded sampled requests to the
         # configured depth for reproducibility: plan them like unseeded ones, so the measured depths are tested.
         monkeypatch.setattr(AdaptivePolicy, "pinned", staticmethod(lambda req: False))
-        monkeypatch.setattr(engine.llm_engine, "AdaptivePolicy", _MemoryBoundPolicy)
+        monkeypatch.setattr(engine.core.llm_engine, "AdaptivePolicy", _MemoryBoundPolicy)
     samples, llm = sample_engine(target, spec(draft, None, branching, mode, adaptive=case in ADAPTIVE_CASES), laws)
     stats = llm.engine.stats
     # The rounds really speculated, accepting some candidates and rejecting others.

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from engine.config import SpeculativeConfig
+from engine.core.config import SpeculativeConfig
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import VOCAB, spec

@@ -1,8 +1,8 @@
-"""Signed zmq frames (engine/frames.py): only a holder of the engine's secret gets a frame through, once."""
+"""Signed zmq frames (engine/execution/frames.py): only a holder of the engine's secret gets a frame through, once."""
 
 from __future__ import annotations
 
-from engine.frames import FrameAuth, new_secret
+from engine.execution.frames import FrameAuth, new_secret
 
 
 def test_a_signed_frame_opens_and_only_once() -> None:

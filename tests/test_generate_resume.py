@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 
 N_LINES = 24
 

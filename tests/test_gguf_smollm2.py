@@ -95,7 +95,7 @@ def test_short_name_speculates_with_the_shipped_draft(smol, prompts) -> None:
     """``LLM("smollm2")`` takes the shipped draft (engine/default_models/smollm2-draft, a trimmed vocabulary):
     greedy output equals the 4-bit target's own, and the draft accepts (1.37 on these three questions, 1.97 on
     its held-out instructions)."""
-    from engine.config import DEFAULT_MODELS_DIR
+    from engine.core.config import DEFAULT_MODELS_DIR
 
     draft = DEFAULT_MODELS_DIR / "smollm2-draft"
     assert (draft / "model.safetensors").is_file()

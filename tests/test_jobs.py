@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch_runner import BatchRunner, RetryLater
-from engine.jobs import InvalidRequestError, JobStore
+from engine.jobs.runner import BatchRunner, RetryLater
+from engine.jobs.store import InvalidRequestError, JobStore
 
 EP = "/v1/completions"
 

@@ -1,4 +1,4 @@
-"""Pipelining's outcome choice (workers/outcome_choice.py, engine/pipelined_drafter.py OutcomeCosts): which
+"""Pipelining's outcome choice (workers/outcome_choice.py, engine/drafting/pipelined_drafter.py OutcomeCosts): which
 outcomes of the round in flight get a pre-drafted tree, by expected value against cost."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from engine.pipelined_drafter import HIDDEN_COST, OutcomeCosts
+from engine.drafting.pipelined_drafter import HIDDEN_COST, OutcomeCosts
 from workers.outcome_choice import choose_outcomes
 
 

@@ -1,4 +1,4 @@
-"""Pipelined speculation (engine/pipelined_drafter.py) leaves every output unchanged: greedy, seeded, and in law."""
+"""Pipelined speculation (pipelined_drafter.py) leaves every output unchanged: greedy, seeded, and in law."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import LLM, SamplingParams
-from engine.pipelined_drafter import match_prediction, prune
+from engine.drafting.pipelined_drafter import match_prediction, prune
 from tests.conftest import spec
 from workers.messages import DraftResult, DraftTree
 from workers.tree_topology import most_probable_path
@@ -209,7 +209,7 @@ def test_a_broken_prefix_match_is_caught(llama, monkeypatch):
     the laws the verifier is given, and a proposal that does not depend on the verifier's draws is verified
     exactly whatever prefix it was drafted for (it only accepts less).
     """
-    import engine.pipelined_drafter as pd
+    import engine.drafting.pipelined_drafter as pd
 
     real_match = pd.match_prediction
 

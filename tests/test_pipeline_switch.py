@@ -1,10 +1,10 @@
-"""The choice between pipelined and sequential steps (engine/pipeline_switch.py), on synthetic step costs."""
+"""The choice between pipelined and sequential steps (engine/drafting/pipeline_switch.py), on synthetic step costs."""
 
 from __future__ import annotations
 
 import random
 
-from engine.pipeline_switch import PIPELINED, SEQUENTIAL, PipelineSwitch, regime
+from engine.drafting.pipeline_switch import PIPELINED, SEQUENTIAL, PipelineSwitch, regime
 
 
 def _drive(sw: PipelineSwitch, key, cost: dict[bool, float], steps: int) -> list[bool]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ParallelConfig
-from engine.placement import PlacementPlan, missing_resources, plan_placement
+from engine.core.config import ParallelConfig
+from engine.execution.placement import PlacementPlan, missing_resources, plan_placement
 
 
 def test_gpu_cluster_gets_one_gpu_bundle_per_rank_in_rank_order() -> None:

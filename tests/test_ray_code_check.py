@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from engine.ray_executor import RayExecutor
-from engine.worker_actor import code_root
+from engine.execution.ray_executor import RayExecutor
+from engine.execution.worker_actor import code_root
 
 
 class _Remote:

@@ -2,7 +2,7 @@
 
 Ray hands out the declared GPU ids (CUDA_VISIBLE_DEVICES) as if they were real; the workers find no CUDA and
 fall back to the CPU with Gloo, so placement is tested for real and generation still runs. Rules under test
-(engine/placement.py): one bundle per rank, the target's ranks packed on one node in rank order, the draft
+(engine/execution/placement.py): one bundle per rank, the target's ranks packed on one node in rank order, the draft
 in its own group anywhere, and a plan the cluster cannot hold refused in bounded time with what is missing,
 leaving no actor or placement group behind.
 """
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, ray_leftovers

@@ -1,11 +1,11 @@
-"""The restart budget and the order of a recovery (engine/recovery.py), with a stand-in engine: no Ray."""
+"""The restart budget and the order of a recovery (engine/execution/recovery.py), with a stand-in engine: no Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.faults import TooManyRestartsError, WorkerDiedError
-from engine.recovery import Recovery
+from engine.execution.faults import TooManyRestartsError, WorkerDiedError
+from engine.execution.recovery import Recovery
 
 
 class FakeExecutor:
@@ -90,7 +90,7 @@ def test_past_the_budget_the_error_names_every_failure() -> None:
 
 
 def test_failures_older_than_the_window_do_not_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    import engine.recovery as recovery
+    import engine.execution.recovery as recovery
 
     now = [1000.0]
     monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])
@@ -105,7 +105,7 @@ def test_failures_older_than_the_window_do_not_count(monkeypatch: pytest.MonkeyP
 def test_a_draft_that_never_comes_back_ends_in_the_budget_error(monkeypatch: pytest.MonkeyPatch) -> None:
     # Seeded sampled requests wait for the draft (LLMEngine._needs_draft): a replacement that never gets up must
     # not leave them waiting forever. Each overdue start counts as one more failure, until the budget is spent.
-    import engine.recovery as recovery
+    import engine.execution.recovery as recovery
 
     now = [1000.0]
     monkeypatch.setattr(recovery.time, "monotonic", lambda: now[0])

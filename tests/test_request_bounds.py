@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engine import codec
+from engine.execution import codec
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import VOCAB

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 from scheduler.sampling_params import SamplingParams
 from tests.helpers_server import SubprocessServer, metric_value, wait_until
 

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.config import DEFAULT_MODELS_DIR
 from tests.helpers_server import SubprocessServer, metric_value
 
 MODEL = "specserve-default"

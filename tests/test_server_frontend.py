@@ -66,7 +66,7 @@ def test_a_model_without_a_tokenizer_streams_its_token_ids_and_load_tests_time_t
     larger random pair showed "-"). Now each chunk carries its token ids, and the load test times them."""
     import asyncio
 
-    from engine.benchmarks.openai_stream import RequestRecord, send_request
+    from benchmarks.openai_stream import RequestRecord, send_request
 
     engine = FakeEngine(max_num_seqs=2, step_s=0.02, text=False)
     app, _ = fake_app(engine, tokenizer=False)
@@ -329,7 +329,7 @@ def test_serve_takes_the_engine_flags_of_generate() -> None:
     import argparse
     from dataclasses import fields
 
-    from engine.args import EngineArgs
+    from engine.core.args import EngineArgs
     from engine.server.cli import add_parser
 
     parser = argparse.ArgumentParser()

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 
-from engine.faults import TooManyRestartsError
+from engine.execution.faults import TooManyRestartsError
 from tests.helpers_server import (
     FakeEngine,
     FakeTokenizer,
@@ -214,7 +214,7 @@ def test_a_request_that_cannot_be_resumed_ends_with_a_clear_error() -> None:
 
 def test_health_is_degraded_while_a_worker_is_restored_and_requests_are_served() -> None:
     engine = ResumableEngine(step_s=0.001)
-    engine.recovery = SimpleNamespace(restoring=("draft",))  # what engine/recovery.py reports meanwhile
+    engine.recovery = SimpleNamespace(restoring=("draft",))  # what engine/execution/recovery.py reports meanwhile
     srv, _ = _server(lambda: ResumableEngine(), engine)
     try:
         h = httpx.get(srv.url + "/health")
@@ -230,7 +230,7 @@ def test_health_is_degraded_while_a_worker_is_restored_and_requests_are_served()
 
 def test_recovery_reports_the_role_it_restores() -> None:
     """``Recovery.restoring``: the target while the step waits for its replacement, a draft in the background."""
-    from engine.recovery import Recovery
+    from engine.execution.recovery import Recovery
 
     seen: list[tuple[str, ...]] = []
 
@@ -247,7 +247,7 @@ def test_recovery_reports_the_role_it_restores() -> None:
 
     eng = SimpleNamespace(executor=Executor(), lose_worker_state=lambda role: None)
     rec = Recovery(eng, max_restarts=3, window_s=60)
-    from engine.faults import WorkerDiedError
+    from engine.execution.faults import WorkerDiedError
 
     rec.recover(WorkerDiedError("target", 1, "killed"))
     assert seen == [("target",)] and rec.restoring == ()
@@ -258,10 +258,10 @@ def test_recovery_reports_the_role_it_restores() -> None:
 # ------------------------------------------------------------------------------------- the built-in pair
 
 def test_engine_restart_with_streams_and_a_batch_job_in_flight(tmp_path) -> None:
-    from engine.args import EngineArgs
-    from engine.config import DEFAULT_MODELS_DIR
-    from engine.jobs import JobStore
-    from engine.llm_engine import LLMEngine
+    from engine.core.args import EngineArgs
+    from engine.core.config import DEFAULT_MODELS_DIR
+    from engine.core.llm_engine import LLMEngine
+    from engine.jobs.store import JobStore
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.batches import batch_router

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from engine.args import EngineArgs
+from engine.core.args import EngineArgs
 from tests.conftest import TP_PROMPTS, TPModels
 from tests.helpers_server import HealthPoller, ThreadServer, wait_until
 from tests.test_worker_faults import MAX_TOKENS, ray_cluster, reference, speculative  # noqa: F401 (fixtures)
@@ -25,7 +25,7 @@ from tests.test_worker_faults import MAX_TOKENS, ray_cluster, reference, specula
 
 def test_streams_survive_a_dead_target_rank_and_health_shows_degraded(  # noqa: F811 (fixtures by name)
         ray_cluster, tp_models: TPModels, reference) -> None:  # noqa: F811
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics

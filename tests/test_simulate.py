@@ -1,4 +1,4 @@
-"""The pipelining simulator (engine/benchmarks/sim_model.py, trace.py) on hand-made traces with known answers."""
+"""The pipelining simulator (benchmarks/sim_model.py, trace.py) on hand-made traces with known answers."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.benchmarks.sim_model import CostModel, break_even, hits_by_accepted, replay, shape
-from engine.benchmarks.simulate import GPU_COSTS
-from engine.benchmarks.simulate import main as simulate_main
-from engine.benchmarks.trace import RoundTrace, Step, TraceDrafter, read_trace
+from benchmarks.sim_model import CostModel, break_even, hits_by_accepted, replay, shape
+from benchmarks.simulate import GPU_COSTS
+from benchmarks.simulate import main as simulate_main
+from benchmarks.trace import RoundTrace, Step, TraceDrafter, read_trace
 from workers.messages import DraftTree, TargetStepOutput, VerifyResult
 
 # draft 1 ms a level, verify 4 ms, pre-draft 1 ms a level (depth 4 + 1 = 5 ms), nothing else:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import default_model_dirs
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stopping import StopChecker
+from engine.core.config import default_model_dirs
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.stopping import StopChecker
 from tests.conftest import VOCAB, spec
 from tests.helpers_models import make_char_tokenizer, make_tiny_checkpoint
 from workers.loader import load_tokenizer

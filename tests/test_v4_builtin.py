@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.args import EngineArgs
-from engine.config import DEFAULT_MODELS_DIR
+from engine.core.args import EngineArgs
+from engine.core.config import DEFAULT_MODELS_DIR
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import spec

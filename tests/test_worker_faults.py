@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from engine.faults import TooManyRestartsError, WorkerDiedError
+from engine.execution.faults import TooManyRestartsError, WorkerDiedError
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels
@@ -40,17 +40,17 @@ def speculative(models: TPModels) -> dict:
 def ray_cluster():
     import ray
 
-    import engine.ray_executor
+    import engine.execution.ray_executor
 
     # A regression in death detection must fail fast, not wait out the default 10-minute step timeout.
-    timeout, engine.ray_executor.STEP_TIMEOUT_S = engine.ray_executor.STEP_TIMEOUT_S, 30.0
+    timeout, engine.execution.ray_executor.STEP_TIMEOUT_S = engine.execution.ray_executor.STEP_TIMEOUT_S, 30.0
 
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
-    engine.ray_executor.STEP_TIMEOUT_S = timeout
+    engine.execution.ray_executor.STEP_TIMEOUT_S = timeout
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
 def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: TPModels, reference,
                                                        monkeypatch: pytest.MonkeyPatch, transport: str,
                                                        pipeline: bool) -> None:
-    # The draft replies, then dies before its laws reach target rank 0 (injected: engine/faults.py), so the
+    # The draft replies, then dies before its laws reach target rank 0 (injected: engine/execution/faults.py), so the
     # verifier waits for laws that never come. It used to wait 10 minutes (here: the fixture's 30 s step timeout,
     # then WorkerStuckError); now the controller notices the death while it waits for the target and ends it.
     monkeypatch.setenv("SPECSERVE_FAULT", "draft_dies_before_laws=3")
@@ -233,7 +233,7 @@ def test_law_store_fails_the_waits_for_a_dead_drafts_trees_only() -> None:
 
 FORGER = r"""
 import sys, time, torch, zmq
-from engine import codec
+from engine.execution import codec
 from workers.law_channel import TreeLaws
 from workers.messages import WorkerReply, DraftStep
 # Laws for every tree id the job will use: accepted, they would be the wrong q (a uniform law).
@@ -293,7 +293,7 @@ def test_specserve_generate_survives_target_rank0_dying_twice_on_ray_transport(
     import json
 
     from engine import cli
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     lines = [{"id": f"r{i}", "prompt_token_ids": p, "max_tokens": MAX_TOKENS, "temperature": sp.temperature,
               "ignore_eos": True, **({"seed": sp.seed, "top_p": sp.top_p} if sp.seed is not None else {})}

@@ -3,7 +3,7 @@
 Verification needs, for every candidate, the law it was actually drawn from (docs/architecture.md). Those laws are
 [nodes, vocab] float32 per tree: at vocabulary 49,152 a batch of 32 eight-node trees is 50 MB. Only the target
 rank that verifies reads them, so the draft worker hands them over directly (in-process: a shared ``LawStore``;
-Ray: a zmq PUSH from draft rank 0 to target rank 0, see engine/worker_actor.py) and the controller sends the
+Ray: a zmq PUSH from draft rank 0 to target rank 0, see engine/execution/worker_actor.py) and the controller sends the
 target only the tree's id.
 
 In-process the draft's tensors are handed over as they are (``DraftLaws``). On a socket (``TreeLaws``),
@@ -26,7 +26,7 @@ import torch
 
 # The last resort for a draft that is alive but never sends a tree's laws (stuck). A dead draft is noticed by the
 # controller within seconds, which then fails the wait (``LawStore.fail``): this timeout is never how a death is
-# found. The same knob as the controller's per-step limit (engine/ray_executor.py).
+# found. The same knob as the controller's per-step limit (engine/execution/ray_executor.py).
 LAW_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
 
@@ -153,7 +153,7 @@ class LawStore:
     def fail(self, error: str, below: int | None = None) -> None:
         """Wake every waiter with ``error`` instead of letting it wait out the timeout: for every tree
         (``below`` None: the receiver is gone), or for the trees numbered below ``below`` (their draft died; a
-        replacement numbers its trees from there on, engine/worker_actor.py ``connect_laws``)."""
+        replacement numbers its trees from there on, engine/execution/worker_actor.py ``connect_laws``)."""
         with self._cond:
             if below is None:
                 self._error = error

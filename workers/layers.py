@@ -80,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     It computed (W @ x^T)^T for 2-8 rows on CPU (commit 8a511e3: MKL's small-M GEMM against a transposed weight
     had measured slow). With torch 2.13 here that orientation is the slow one: on the built-in pair's shapes
     2-8 rows took 1.2-5x F.linear's time, and a target verify of 3 tokens 16-20 ms against 10-12 ms
-    (engine/benchmarks/results/adaptive-saturation-2026-12-01/README.md). One place to change it again.
+    (benchmarks/results/adaptive-saturation-2026-12-01/README.md). One place to change it again.
     """
     return F.linear(x, weight, bias)
 

@@ -3,7 +3,7 @@
 A draw at a given point of a request depends only on the seed and how many tokens precede it: not on which
 rounds came before, how they were batched, or which worker process made them. So a pre-drafted tree is the
 tree a re-draft would propose (pipelining), and a request re-prefilled on a restarted worker continues exactly
-the stream it had (engine/recovery.py): seeded outputs are identical with or without a worker fault.
+the stream it had (engine/execution/recovery.py): seeded outputs are identical with or without a worker fault.
 """
 
 from __future__ import annotations

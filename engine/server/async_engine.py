@@ -16,7 +16,7 @@ next step.
 
 Faults, in the order the server meets them:
 
-- A worker restart inside the engine (engine/recovery.py: a dead target rank is rebuilt and its requests
+- A worker restart inside the engine (engine/execution/recovery.py: a dead target rank is rebuilt and its requests
   re-prefilled; a dead draft is replaced while decoding goes on without speculation): the loop keeps stepping,
   streams pause then continue, and ``health()`` says "degraded" with the role being restored.
 - The engine itself fails (a step raises: ``TooManyRestartsError``, ``EngineDeadError``, any other exception):

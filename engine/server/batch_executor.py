@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.batch_runner import BATCH_PRIORITY, RetryLater
+from engine.jobs.runner import BATCH_PRIORITY, RetryLater
 from engine.server.app import validation_message
 from engine.server.async_engine import EngineUnavailableError, RequestStream
 from engine.server.protocol import (

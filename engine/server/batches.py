@@ -24,8 +24,8 @@ from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import StreamingResponse
 
-from engine.batch_runner import BatchRunner
-from engine.jobs import InvalidRequestError, JobStore, NotFoundError
+from engine.jobs.runner import BatchRunner
+from engine.jobs.store import InvalidRequestError, JobStore, NotFoundError
 from engine.server.batch_executor import ServingExecutor
 from engine.server.serving import APIError
 

@@ -18,7 +18,7 @@ DEFAULT_SERVED_NAME = "specserve-default"  # the built-in pair's name in /v1/mod
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from engine.args import EngineArgs
+    from engine.core.args import EngineArgs
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming)")
     EngineArgs.add_cli_args(p)  # the same engine flags as `specserve generate`
@@ -73,8 +73,8 @@ def _log_config(level: str) -> dict:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.args import EngineArgs
-    from engine.llm_engine import LLMEngine
+    from engine.core.args import EngineArgs
+    from engine.core.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.auth import resolve_api_key
@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}")
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
-    from engine.jobs import JobStore, default_data_dir
+    from engine.jobs.store import JobStore, default_data_dir
     from engine.server.batches import batch_router
 
     job_store = JobStore(args.data_dir or default_data_dir())  # an unusable data dir fails before the model loads
@@ -100,7 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(name)
         collector = None
         if engine.recovery is not None:  # Ray workers: restarts and recovery time next to the serving metrics
-            from engine.recovery import RecoveryCollector
+            from engine.execution.recovery import RecoveryCollector
 
             collector = RecoveryCollector(engine.recovery.stats)
             metrics.registry.register(collector)

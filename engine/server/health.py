@@ -28,7 +28,7 @@ class Health:
 
 
 def read_restoring(engine: Any) -> tuple[str, ...]:
-    """Worker roles the engine is restoring now (engine/recovery.py), read from any thread; () without recovery."""
+    """Worker roles the engine is restoring now (recovery.py), read from any thread; () without recovery."""
     recovery = getattr(engine, "recovery", None)
     return tuple(getattr(recovery, "restoring", ())) if recovery is not None else ()
 

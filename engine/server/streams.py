@@ -25,7 +25,7 @@ class AddCommand:
     prompt: str | list[int]
     params: Any  # SamplingParams
     arrival: float  # time.monotonic() at the front end
-    priority: int = 0  # lower is admitted first: batch jobs (engine/batch_runner.py) use 1
+    priority: int = 0  # lower is admitted first: batch jobs (engine/jobs/runner.py) use 1
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""Batch-1 greedy decode speed on one GGUF file: specserve's float32 expansion vs its packed 4-bit weights,
+transformers ``generate`` on the same file, and llama.cpp (``llama_cpp``) when it is installed
+(``pip install llama-cpp-python``, or the ``bench`` extra; it builds llama.cpp from source, a few minutes).
+
+    python -m benchmarks.gguf_decode --target smollm2 --max-tokens 64 --repeats 3 --llama-cpp-threads 1,2
+
+Each mode generates ``--max-tokens`` tokens greedily from the same chat-formatted prompt, EOS ignored; the
+modes run in turns, ``--repeats`` times, and the best run of each is reported (on a shared machine the best
+run is the one least disturbed by other work). Besides wall-clock tok/s, tok/s per CPU-second of this
+process is printed: with one thread and the engine in-process, it is what an idle core would give (apart
+from memory-bandwidth contention), which makes runs on a busy machine comparable. Also printed: the weight
+bytes one decode step reads, and the time per step a memory bandwidth of ``--bandwidth-gbs`` would need for
+them (the floor a memory-bound batch-1 step cannot beat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from workers.gguf_loader import resolve_model_path
+
+PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers a forward reads (a tied head counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or t.dim() < 2:  # norms, RoPE tables: negligible
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def specserve_runner(path: str, quantization: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
+    from engine.llm import LLM
+    from scheduler.sampling_params import SamplingParams
+
+    llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    target = llm.engine.executor.target
+    return (lambda: len(llm.generate([prompt], params)[0].token_ids)), weight_bytes(target.model)
+
+
+def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+
+    def run() -> int:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        return out.shape[1] - ids.shape[1]
+
+    run()
+    return run, weight_bytes(model)
+
+
+def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tuple[Callable[[], int], int]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_batch=512, verbose=False)
+
+    def run() -> int:
+        llm.reset()
+        count = 0
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            count += 1
+            if count == n:
+                break
+        return count
+
+    run()
+    return run, os.path.getsize(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gguf_decode", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2", help="a *.gguf file or a short name (default: smollm2)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (specserve, transformers)")
+    ap.add_argument("--llama-cpp-threads", default="1,2",
+                    help="llama.cpp n_threads, comma-separated: one llama_cpp row per value")
+    ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
+                    help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python")
+    ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.target)
+    from workers.loader import load_tokenizer
+
+    tok = load_tokenizer(path)
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    n = args.max_tokens
+    runners: dict[str, tuple[Callable[[], int], int]] = {}
+    for mode in args.modes.split(","):
+        t0 = time.perf_counter()
+        if mode == "specserve_fp32":
+            runners[mode] = specserve_runner(path, "none", prompt, n)
+        elif mode == "specserve_q4":
+            runners[mode] = specserve_runner(path, "gguf", prompt, n)
+        elif mode == "transformers":
+            runners[mode] = hf_runner(path, prompt, n)
+        elif mode in ("llama_cpp", "llamacpp"):
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                print("llama_cpp: not installed (pip install llama-cpp-python); skipped", flush=True)
+                continue
+            for threads in (int(t) for t in args.llama_cpp_threads.split(",")):
+                runners[f"llama_cpp_t{threads}"] = llama_cpp_runner(path, prompt, n, threads)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        print(f"{mode}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    best: dict[str, float] = {}
+    best_cpu: dict[str, float] = {}
+    for _ in range(args.repeats):
+        for mode, (run, _) in runners.items():
+            start, cpu = time.perf_counter(), time.process_time()
+            tokens = run()
+            best[mode] = max(best.get(mode, 0.0), tokens / (time.perf_counter() - start))
+            best_cpu[mode] = max(best_cpu.get(mode, 0.0), tokens / (time.process_time() - cpu))
+    print(f"\nbatch 1, greedy, {n} tokens, {args.threads} torch thread(s) (llama_cpp_tN: N threads), "
+          f"best of {args.repeats}; prompt {len(prompt)} "
+          f"tokens; floor = weight bytes / {args.bandwidth_gbs:g} GB/s")
+    print(f"{'mode':<16} {'tok/s':>7} {'tok/cpu-s':>9} {'cpu ms/tok':>10} {'weights MB':>10} {'floor ms':>9}")
+    rows = []
+    for mode, (_, nbytes) in runners.items():
+        floor_ms = nbytes / (args.bandwidth_gbs * 1e9) * 1e3
+        print(f"{mode:<16} {best[mode]:>7.1f} {best_cpu[mode]:>9.1f} {1e3 / best_cpu[mode]:>10.2f} "
+              f"{nbytes / 1e6:>10.1f} {floor_ms:>9.2f}")
+        rows.append({"mode": mode, "tok_s": best[mode], "tok_per_cpu_s": best_cpu[mode], "weight_bytes": nbytes,
+                     "floor_ms": floor_ms})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

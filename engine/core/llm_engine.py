@@ -1,0 +1,458 @@
+"""The controller loop: schedule -> draft -> verify -> commit -> emit, with continuous batching.
+
+Requests join between steps and leave when they finish; the scheduler decides who runs, how deep each tree
+goes, reserves their KV and owns the cache counters. A drafter (engine/drafting/drafter.py: none, sequential or
+pipelined) proposes the trees; the target verifies them and commits its own KV. The draft and target workers
+are called through typed messages, so the Ray executor can move them into actors without touching this loop;
+the controller handles ints only (the draft's laws go to the verifier directly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import secrets
+import time
+
+from engine.core.compat import check_draft_compatible
+from engine.core.config import EngineConfig
+from engine.core.metrics import SpecDecodingStats, StepTimes
+from engine.core.outputs import RequestDelta, RequestOutput
+from engine.core.policy_warmup import ProfileKeeper, warm_up_policy
+from engine.core.stopping import StopChecker
+from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
+from engine.drafting.pipelined_drafter import PipelinedDrafter
+from engine.execution.executor import make_executor
+from engine.execution.faults import WorkerDiedError
+from engine.execution.recovery import Recovery
+from scheduler.adaptive import AdaptivePolicy
+from scheduler.block_manager import BlockManager
+from scheduler.cost_model import StepSample
+from scheduler.request import FinishReason, Request
+from scheduler.reset import draft_refilled, requeue_all
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import ScheduledBatch, Scheduler
+from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy
+from workers.loader import load_tokenizer
+from workers.messages import DraftStep, DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
+from workers.model_config import ModelConfig
+from workers.worker_config import WorkerConfig
+
+_MAX_AUTO_KV_TOKENS = 1 << 17
+_HELD_IDLE_S = 0.02  # a step with nothing to run (requests held for the draft) pauses this long
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed and could not be recovered (a worker raised or got stuck; workers died more often than
+    max_worker_restarts allows; an in-process worker died): worker KV state and the controller's counters may
+    disagree, so the engine refuses further work instead of producing wrong output. Create a new engine."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._dead: BaseException | None = None  # the failure that stopped this engine
+        tcfg = ModelConfig.from_pretrained(config.target)
+        self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.target)
+        spec = config.speculative
+        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
+        if spec is not None:
+            check_draft_compatible(config.target, spec.model, tcfg, dcfg)
+        self.tree = spec.tree_shape if spec is not None else None
+        num_nodes = self.tree.num_nodes if self.tree is not None else 0
+        bs = config.cache.block_size
+        kv_tokens = config.cache.num_kv_tokens or min(
+            config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
+        num_blocks = -(-kv_tokens // bs)
+        draft_cfg = None
+        if spec is not None:
+            draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
+                                     quantization=spec.quantization,
+                                     tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
+                                     model_config=dcfg.to_dict())
+        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
+        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
+        self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
+        parallel = config.parallel
+        if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
+            parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
+        # Refuse a size that does not divide the heads before any worker is placed or loads weights.
+        tcfg.check_tp(parallel.tensor_parallel_size)
+        if dcfg is not None:
+            dcfg.check_tp(parallel.draft_tensor_parallel_size)
+        self.executor = make_executor(parallel,
+                                      WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
+                                                   quantization=config.quantization, model_config=tcfg.to_dict()),
+                                      draft_cfg, **(spec.process_options if spec is not None else {}))
+        self.vocab_size = tcfg.vocab_size
+        self.eos_token_ids = set(tcfg.eos_token_ids)
+        policy = None
+        if spec is not None:
+            policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len)
+            if spec.batch_size_schedule is not None:
+                policy = BatchSizeSchedule(self.tree, self.max_model_len, self.draft_max_len,
+                                           spec.batch_size_schedule)
+            elif spec.is_adaptive:
+                policy = AdaptivePolicy(policy)
+        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
+                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
+                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
+                                   policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
+                                   and not spec.pipeline)
+        self.stats = SpecDecodingStats()
+        self.times = StepTimes()
+        self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
+        self.drafter: Drafter = self._new_drafter()
+        self.draft_up = spec is not None  # False while a dead draft is being replaced: no speculation then
+        self._seq_ids = itertools.count()
+        self._stop: dict[int, StopChecker] = {}  # seq_id -> stop checks and detokenizer
+        self._requests: dict[str, Request] = {}  # unfinished requests by the user's id (for abort)
+        self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
+        self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
+        self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
+        self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
+        self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
+        # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
+        self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
+                         if hasattr(self.executor, "begin_restart") else None)
+        # What the adaptive policy learns goes back to its profile file (engine/core/policy_warmup.py).
+        self.profile_keeper: ProfileKeeper | None = None
+        if isinstance(policy, AdaptivePolicy):  # seed its cost curves before the first user request
+            self.profile_keeper = warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
+
+    def _new_drafter(self) -> Drafter:
+        spec = self.config.speculative
+        if spec is None:
+            return NoDrafter()
+        calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
+        if spec.pipeline:
+            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
+            self.pipeline.switch.enabled = spec.pipeline_switch
+            return self.pipeline
+        return SequentialDrafter(calls, lazy_prefill=self.scheduler.lazy_draft_prefill)
+
+    # ----------------------------------------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, output_token_ids: list[int] | None = None) -> Request:
+        """Validate and queue; raises ValueError naming the field and the limit.
+
+        ``priority``: lower is admitted first (and preempted last); batch jobs use 1, online requests 0.
+        ``output_token_ids``: resume a request an earlier engine began (the server restarting a failed engine):
+        these tokens count as produced and streamed; generation continues after them up to ``max_tokens``.
+        """
+        self._check_alive()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
+        params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
+            token_ids = self._encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = _out_of_vocab(token_ids, self.vocab_size)
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, the model's context is {self.max_model_len} "
+                             "(prompt + at least one generated token must fit)")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
+        # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
+        # candidates and uniforms without exchanging them, and no request's stream depends on another's.
+        req.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
+        if output_token_ids:
+            _resume(req, checker, output_token_ids, self.vocab_size, self.max_model_len)
+        self.scheduler.add(req)
+        self._stop[req.seq_id] = checker
+        self._requests[request_id] = req
+        return req
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"), e.g. from a JSON escape
+            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})") from None
+        try:
+            return list(self.tokenizer.encode(prompt))
+        except Exception as e:  # the tokenizer refuses this one prompt; the engine and its batch are fine
+            raise ValueError(f"prompt: the tokenizer refused it ({type(e).__name__}: {e})") from None
+
+    def withdraw_queued(self, req: Request) -> None:
+        """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""
+        self.scheduler.waiting.remove(req)
+        self._stop.pop(req.seq_id, None)
+        self._requests.pop(req.request_id, None)
+        self._aborts.pop(req.request_id, None)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a queued or running request with reason "abort" at the start of the next step, which frees
+        its KV and returns its last delta. False when no unfinished request has this id. Like every engine
+        call, from the thread that steps the engine."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            return False
+        self._aborts[req.request_id] = req
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def shutdown(self) -> None:
+        """Stop the workers (Ray actors, sockets); the engine is unusable afterwards."""
+        if self.profile_keeper is not None:
+            self.profile_keeper.save()
+        self.executor.shutdown()
+
+    # ---------------------------------------------------------------------------------------------- the loop
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped after a failed step ({type(self._dead).__name__}: "
+                                  f"{self._dead}); create a new engine") from self._dead
+
+    @property
+    def is_alive(self) -> bool:
+        """False once a step failed (every later call raises EngineDeadError)."""
+        return self._dead is None
+
+    def step(self) -> list[RequestDelta]:
+        """One round for every scheduled request; a delta for each request that got tokens or finished
+        (aborted ones included)."""
+        self._check_alive()
+        self._finished_outputs = []
+        try:
+            self._apply_aborts()
+            if self.recovery is not None:
+                self.recovery.poll()
+            if self.scheduler.has_unfinished:
+                try:
+                    self._step()
+                except WorkerDiedError as e:
+                    if self.recovery is None:
+                        raise
+                    self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
+                if self.profile_keeper is not None:
+                    self.profile_keeper.tick()
+            return self._take_deltas()
+        except BaseException as e:
+            self._dead = e
+            raise
+
+    # ------------------------------------------------------------------------------------- worker recovery
+    def lose_worker_state(self, role: str) -> None:
+        """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
+        if role == "target":
+            self._requeued_ids += [r.seq_id for r in requeue_all(self.scheduler)]
+            if self.draft_up:
+                self.drafter = self._new_drafter()  # nothing pre-drafted or pending survives
+        else:
+            self.drafter = NoDrafter()
+            self.draft_up = False
+
+    def resume_draft(self) -> None:
+        """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
+        tables = self.scheduler.draft_blocks.tables
+        prefills = [PrefillSeq(r.seq_id, tables[r.seq_id], 0, r.all_token_ids[: r.num_cached_target])
+                    for r in self.scheduler.running if r.num_cached_target > 0]
+        if prefills:
+            self.executor.submit_draft(DraftStep(prefills=prefills))
+            self.executor.wait_draft()
+        draft_refilled(self.scheduler)
+        self._requeued_ids.clear()  # the new draft never saw them
+        self.drafter = self._new_drafter()
+        self.draft_up = True
+
+    def _needs_draft(self, req: Request) -> bool:
+        """Held while the draft is down: a seeded sampled request's tokens depend on the draft's proposals (the
+        verifier's draws are keyed by seed and position, but what they accept is the draft's tree), so only the
+        replaced draft, drawing from the same (seed, position) streams, continues them as without the fault.
+        Greedy and unseeded requests decode without speculation meanwhile."""
+        return req.params.seed is not None and not req.params.greedy
+
+    def step_finished(self) -> list[RequestOutput]:
+        """One step; the requests that finished in it, whole (for callers that do not stream)."""
+        self.step()
+        return self._finished_outputs
+
+    def _step(self) -> None:
+        policy = self.scheduler.policy
+        learns = policy is not None and policy.measures_costs  # only the adaptive policy reads step times
+        before = dataclasses.replace(self.times) if learns else None
+        clock = self.times.clock()
+        # schedule: who runs, how deep each tree goes, KV reserved
+        holding = self.config.speculative is not None and not self.draft_up
+        batch = self.scheduler.schedule(self._needs_draft) if holding else self.scheduler.schedule()
+        finished_ids = self._take_finished()
+        clock.lap("schedule_s")
+        if batch.empty and holding:  # every request that could run waits for the draft: no worker call
+            self._finished_ids = finished_ids + self._finished_ids  # they reach the workers with the next call
+            self._requeued_ids += [r.seq_id for r in batch.preempted]
+            time.sleep(_HELD_IDLE_S)  # the replacement draft is loading: leave it the CPU
+            return
+        sample = self._step_shape(batch) if learns else None  # what the step runs, before the counters move
+        if learns:
+            self._draft_calls.forward_s = []
+        gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
+        trees = self.drafter.propose(batch, gone)  # draft
+        clock.lap("draft_wall_s")
+        self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
+        self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
+        out = self.executor.wait_target()
+        clock.lap("verify_wall_s", verify_s=out.elapsed_s)
+        num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side ...
+        clock.lap("collect_s")
+        drafted = [t.num_nodes for t in trees]
+        self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
+        for n, res, shape in zip(drafted, out.results, batch.shapes, strict=True):
+            self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
+            self.stats.record_choice(shape if n else ())
+        self._emit_step(batch, out)  # emit
+        clock.lap("commit_s")
+        if learns:  # the adaptive policy's cost model learns the measured times
+            policy.observe_step(self._timed(sample, before))
+
+    def _timed(self, sample: StepSample, before: StepTimes) -> StepSample:
+        """``sample`` with the step's measured times: what ``self.times`` gained since ``before``."""
+        t = self.times
+        sample.verify_s = t.verify_wall_s - before.verify_wall_s
+        sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
+        if self.pipeline is None:  # sequential: the worker's own share is known apart (pipelined: hidden)
+            sample.draft_worker_s = t.draft_s - before.draft_s
+            sample.draft_forward_s = list(self._draft_calls.forward_s)
+        sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
+        return sample
+
+    @staticmethod
+    def _step_shape(batch: ScheduledBatch) -> StepSample:
+        """Tokens of the step's target forward and of each draft forward (times filled in after the step)."""
+        prefill = verify = sum(c.end - c.start for c in batch.prefills)
+        forwards: list[int] = []
+        seqs: list[int] = []  # of each forward: the requests whose tree reaches past its level
+        for r, shape in zip(batch.rounds, batch.shapes, strict=True):
+            level = 1
+            verify += r.num_tokens - r.num_cached_target
+            for f, w in enumerate(shape):  # as scheduler/plan_search.py prices it
+                if len(forwards) <= f:
+                    forwards.append(0)
+                    seqs.append(0)
+                forwards[f] += max(1, r.num_tokens - r.num_cached_draft) if f == 0 else level
+                seqs[f] += 1
+                level *= w
+                verify += level
+        return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
+                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill,
+                          draft_forward_seqs=seqs)
+
+    def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
+        tables = self.scheduler.target_blocks.tables
+        msg = TargetStep(finished=finished_ids)
+        for c in batch.prefills:
+            fresh = c.completes_prefill and not c.req.output_token_ids
+            msg.prefills.append(PrefillSeq(c.req.seq_id, tables[c.req.seq_id], c.start,
+                                           c.req.all_token_ids[c.start:c.end], sampling_spec(c.req) if fresh else None))
+        for r, t in zip(batch.rounds, trees, strict=True):
+            msg.seqs.append(VerifySeq(r.seq_id, tables[r.seq_id], r.num_cached_target,
+                                      r.all_token_ids[r.num_cached_target:], t.tokens, t.parents, sampling_spec(r),
+                                      -1 if r.params.greedy else t.tree_id))
+        return msg
+
+    def _emit_step(self, batch: ScheduledBatch, out: TargetStepOutput) -> None:
+        """Every token the step produced, through ``_emit``."""
+        for c in batch.prefills:
+            tok = out.first_tokens.get(c.req.seq_id)
+            if tok is not None:
+                self._emit(c.req, [tok])
+        for req, res in zip(batch.rounds, out.results, strict=True):
+            self._emit(req, res.tokens)
+
+    def _emit(self, req: Request, tokens: list[int]) -> bool:
+        """Append what the round produced, up to a stop; True when the request is finished.
+
+        The one place where tokens join a request and a finished request is finalised: the step's deltas are
+        recorded here (and in ``_apply_aborts``)."""
+        checker = self._stop[req.seq_id]
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = time.monotonic()
+        kept, stopped = checker.truncate(tokens, req.remaining_tokens)
+        req.output_token_ids += kept
+        self._emitted.setdefault(req.seq_id, (req, []))[1].extend(kept)
+        reason = None
+        if stopped:
+            reason = FinishReason.STOP
+        elif req.remaining_tokens <= 0 or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return False
+        self._finish(req, reason)
+        return True
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        """Free its KV; the workers drop its state with the next step's messages."""
+        self.scheduler.finish(req, reason)
+        req.stats.finish_time = time.monotonic()
+        self._finished_ids.append(req.seq_id)
+        self._emitted.setdefault(req.seq_id, (req, []))
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, {}
+        for req in aborts.values():
+            if not req.finished:
+                self._finish(req, FinishReason.ABORT)
+
+    def _take_deltas(self) -> list[RequestDelta]:
+        """This step's deltas, in the order requests got tokens; finished requests leave the engine here."""
+        emitted, self._emitted = self._emitted, {}
+        deltas = []
+        for req, new in emitted.values():
+            checker = self._stop[req.seq_id]
+            deltas.append(RequestDelta(
+                req.request_id, new, checker.take_text(req.finished), req.finished,
+                req.finish_reason.value if req.finished and req.finish_reason else None,
+                len(req.prompt_token_ids), len(req.output_token_ids),
+                req.stats.as_dict() if req.finished else None))
+            if req.finished:
+                self._finished_outputs.append(self._output(req))
+                del self._stop[req.seq_id]
+                self._requests.pop(req.request_id, None)
+        return deltas
+
+    def _take_finished(self) -> list[int]:
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def _output(self, req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                             self._stop[req.seq_id].text, req.finish_reason.value if req.finish_reason else None,
+                             req.finished, req.stats.as_dict())
+
+
+def _out_of_vocab(token_ids: list, vocab_size: int) -> list:
+    """The entries that are not token ids of this vocabulary (bools and non-integers included)."""
+    return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+
+
+def _resume(req: Request, checker: StopChecker, output: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Give a new request the output an earlier engine produced: it is re-prefilled with prompt + output (like
+    a preempted request) and its detokenizer replays the output, so the text it sends next is exactly what
+    follows the text already sent (nothing repeated, stop strings still found across the seam)."""
+    out = list(output)
+    if _out_of_vocab(out, vocab_size):
+        raise ValueError(f"output_token_ids: outside the vocabulary [0, {vocab_size})")
+    if len(out) >= req.params.max_tokens or len(req.prompt_token_ids) + len(out) >= max_model_len:
+        raise ValueError(f"output_token_ids: {len(out)} tokens already reach the request's limit "
+                         f"(max_tokens={req.params.max_tokens}, context {max_model_len})")
+    checker.truncate(out, len(out))  # replays the detokenizer; these tokens did not stop the request before
+    checker.take_text(False)  # what the earlier engine already handed out
+    req.output_token_ids = out
+    req.stats.first_token_time = req.stats.arrival_time
