@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.gguf_loader import resolve_model_path
 
     args.target, args.draft = resolve_model_path(args.target), resolve_model_path(args.draft)
-    from engine.llm import LLM
+    from engine import LLM
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 

@@ -80,9 +80,8 @@ def record(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks.compare import load_prompts
+    from engine import LLM, SamplingParams
     from engine.core.config import DEFAULT_MODELS_DIR, default_model_dirs
-    from engine.llm import LLM
-    from scheduler.sampling_params import SamplingParams
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 
