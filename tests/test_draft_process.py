@@ -44,10 +44,10 @@ def _run(target: str, cfg: dict, params: SamplingParams, force=None) -> tuple[li
     return [o.token_ids for o in outs], stats
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                                    SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13,
-                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+                                    pytest.param(SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13,
+                                                                ignore_eos=True), marks=pytest.mark.slow)],
+                         ids=["greedy", "seeded"])
 def test_outputs_identical_with_the_draft_in_its_own_process(llama, params):
     before = os.sched_getaffinity(0)
     cfg = spec(llama.perturbed, branching=[2, 1, 1])
