@@ -49,8 +49,8 @@ from benchmarks.compare_report import (
 )
 from benchmarks.engine_runs import NOT_LOCKSTEP, engine_lockstep, engine_run
 from benchmarks.floor import measure_floor, report_floor
+from engine import LLM, SamplingParams
 from engine.core.config import DEFAULT_MODELS_DIR, default_model_dirs
-from scheduler.sampling_params import is_greedy
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -104,7 +104,7 @@ class HF:
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)  # left pad
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         kw: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens}
-        if is_greedy(temperature):
+        if SamplingParams(temperature=temperature).greedy:
             kw["do_sample"] = False
         else:
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -204,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     from workers.gguf_loader import resolve_model_path
 
     args.target, args.draft = resolve_model_path(args.target), resolve_model_path(args.draft)
-    from engine.llm import LLM
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 
@@ -329,7 +328,7 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
                               f"{row.tokens / row.seconds[-1]:8.1f} tok/s {row.tokens / row.cpu_seconds[-1]:8.1f} "
                               f"tok/cpu-s  load {os.getloadavg()[0]:.1f}", flush=True)
             ref = group_rows.get("hf_generate")
-            if ref is not None and is_greedy(temp):
+            if ref is not None and SamplingParams(temperature=temp).greedy:
                 for row in group_rows.values():
                     same = sum(a == b for a, b in zip(row.outputs, ref.outputs, strict=True))
                     row.greedy_match_vs_hf = f"{same}/{len(ref.outputs)}"

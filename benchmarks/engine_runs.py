@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from benchmarks.compare_report import ALL_CORES_MODE, ALWAYS_MODE, PROCESS_MODE, Row
-from scheduler.sampling_params import SamplingParams
+from engine import SamplingParams
 
 # Modes with a draft thread or process that works on between the engine's steps, or that change the process's
 # torch threads: timed by their own steps beside others, they would be credited with work done during others'.

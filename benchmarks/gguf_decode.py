@@ -40,15 +40,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def gguf_weight_bytes(path: str, packed: bool) -> int:
+    """Bytes of the matrices specserve holds for a GGUF file, from the file's tensor table: with ``packed``
+    (``--quantization gguf``) the decoder layers' Q4_0 / Q4_1 weights stay 4-bit, 20 bytes per 32 weights (16 of
+    nibbles, a bfloat16 scale and zero: workers/quantized_linear.py); every other matrix (the token embedding, the
+    head) is expanded to float32."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+    return sum(int(t.n_elements) // 32 * 20 if packed and t.tensor_type in four_bit and t.name.startswith("blk.")
+               else 4 * int(t.n_elements)
+               for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
+
+
 def specserve_runner(path: str, quantization: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
-    from engine.llm import LLM
-    from scheduler.sampling_params import SamplingParams
+    from engine import LLM, SamplingParams
 
     llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    target = llm.engine.executor.target
-    return (lambda: len(llm.generate([prompt], params)[0].token_ids)), weight_bytes(target.model)
+    return (lambda: len(llm.generate([prompt], params)[0].token_ids)), gguf_weight_bytes(path, quantization == "gguf")
 
 
 def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:

@@ -1,6 +1,6 @@
 """A random target of a given shape and a draft cut from it, for ``bench compare --random-shape`` (timing only).
 
-The target is a random Llama checkpoint (benchmarks/tp_step.py's ``make_random_checkpoint``); the draft
+The target is a random Llama checkpoint (``make_random_checkpoint``); the draft
 is the same checkpoint with only its first ``draft_layers`` layers (embeddings, final norm and head shared).
 
 A plainly random target and its cut disagree almost always (each random layer adds as much to the residual
@@ -19,7 +19,24 @@ import json
 import os
 import re
 
-from benchmarks.tp_step import make_random_checkpoint
+
+def make_random_checkpoint(path: str, *, hidden: int, layers: int, vocab: int, heads: int, kv_heads: int,
+                           intermediate: int, seed: int = 0) -> str:
+    """A random Llama checkpoint (float32, logits O(1)); only the shapes matter for timing."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:

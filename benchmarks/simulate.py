@@ -28,8 +28,8 @@ from benchmarks.trace import Step, TraceDrafter, read_trace
 # launches: ~8 ms, in line with vLLM's reported ~8-10 ms TPOT for 70B TP 8 at low load. The draft, Llama-3.2-1B
 # (2.5 GB) on its own H100: floor 0.75 ms a forward, ~1.5 ms with launch overhead under CUDA graphs. Two
 # pre-drafted outcomes are one batched forward per level while memory-bound, so a pre-draft level costs a draft
-# level. Controller <-> worker hops over zmq/Ray on one node: ~0.2 ms each (benchmarks/transport.py
-# measures ours). Separate GPUs: the pre-draft does not slow the verify.
+# level. Controller <-> worker hops over zmq/Ray on one node: ~0.2 ms each. Separate GPUs: the pre-draft does not
+# slow the verify.
 GPU_COSTS = {
     "gpu": CostModel("gpu", draft_fixed_ms=0.3, draft_ms_per_level=1.5, verify_fixed_ms=8.0, verify_ms_per_token=0.01,
                      predraft_ms_per_level=1.5, msg_ms=0.2, state_ms=0.5, overlap_slowdown=0.0, hit_propose_ms=0.0,
@@ -80,9 +80,8 @@ def record(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks.compare import load_prompts
+    from engine import LLM, SamplingParams
     from engine.core.config import DEFAULT_MODELS_DIR, default_model_dirs
-    from engine.llm import LLM
-    from scheduler.sampling_params import SamplingParams
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
 

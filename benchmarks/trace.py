@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from engine.drafting.drafter import Drafter
-from scheduler.scheduler import ScheduledBatch
-from workers.messages import DraftTree, TargetStepOutput
+if TYPE_CHECKING:  # the engine's drafter protocol, named in annotations only
+    from engine.drafting.drafter import Drafter
+    from scheduler.scheduler import ScheduledBatch
+    from workers.messages import DraftTree, TargetStepOutput
 
 
 @dataclass

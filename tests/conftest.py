@@ -10,7 +10,9 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +90,12 @@ def with_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A llama target with the character-level tokenizer (ids 3.. are printable ASCII)."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "target", family="llama", vocab_size=VOCAB,
                                 seed=5, num_hidden_layers=1, with_tokenizer=True)
+
+
+def marked_slow(cases: Iterable[Any], slow: Container[Any]) -> list[Any]:
+    """``cases`` for ``parametrize``, those in ``slow`` marked slow: a long statistical run leaves the fast lane
+    (``-m "not slow"``) while the quicker cases of the same test stay in it."""
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
 
 
 def spec(draft: str, k: int | None = None, branching: list[int] | None = None, sampling: str = "iid",

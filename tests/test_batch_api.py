@@ -27,6 +27,8 @@ import pytest
 from engine.core.config import DEFAULT_MODELS_DIR
 from tests.helpers_server import REPO, SubprocessServer
 
+pytestmark = pytest.mark.slow  # `specserve serve` subprocesses killed and restarted
+
 MODEL = "specserve-default"
 EP = "/v1/completions"
 # The shipped prompts' first 40 characters: short prompts keep prefill (most of the CPU time) small.

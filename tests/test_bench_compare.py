@@ -30,15 +30,21 @@ def test_random_pair_draft_is_the_targets_first_layer(tmp_path) -> None:
     with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["num_hidden_layers"] == 1
     # bench compare runs on it end to end (adaptive, and adaptive with a tree on its menu, included) and writes its
-    # rows.
+    # rows, and the decode step against the memory floor.
     out = tmp_path / "c.json"
     assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "1",
                          "--temperatures", "0", "--max-tokens", "4", "--num-prompts", "1", "--repeats", "1",
-                         "--skip-hf", "--skip-floor", "--modes",
+                         "--skip-hf", "--modes",
                          "specserve_nospec,specserve_adaptive,specserve_adaptive_tree", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["results"]
+    result = json.loads(out.read_text())
+    rows = result["results"]
     assert {r["mode"] for r in rows} == {"specserve_nospec", "specserve_adaptive", "specserve_adaptive_tree"}
     assert all(r["tok_s"] > 0 for r in rows)
+    floor = result["summary"]
+    assert floor["decode_step_s"] > 0 and floor["step_over_floor"] > 0
+    # The target's float32 parameters: embedding and head 128 x 64 each; per layer q, k, v, o 64 x 64 (one head of
+    # 64, one KV head), gate, up, down 64 x 128, two norms of 64; the final norm.
+    assert floor["weight_bytes"] == 4 * (2 * 128 * 64 + 3 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64)
 
 
 def _greedy_agreement(target: str, draft: str) -> float:

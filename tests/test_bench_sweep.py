@@ -181,6 +181,7 @@ def _check_outputs(out, names: list[str]) -> dict:
     return sweep
 
 
+@pytest.mark.slow
 def test_sweep_against_running_servers_finds_their_knees(tmp_path):
     with StubServer(SMALL) as small, StubServer(BIG) as big:
         rc = sweep_main(["--url", f"cap2={small.url}", "--url", f"cap4={big.url}", "--concurrency", "1,2,4,8,16",
@@ -208,6 +209,7 @@ def test_sweep_against_running_servers_finds_their_knees(tmp_path):
     assert f"| {ratio:.2f} |" in row
 
 
+@pytest.mark.slow
 def test_interleaved_sweep_alternates_configs_within_each_rung(tmp_path):
     """--interleave --repeats 2: rung by rung, each configuration in turn, twice in rotating order (A B, B A), and
     the run kept is the median (the lower of two) with every run's throughput listed."""
@@ -264,6 +266,7 @@ def test_sweep_keeps_going_when_a_server_fails(tmp_path):
     assert "ConnectError" in next(iter(sweep["configs"][0]["points"][0]["result"]["errors"]))
 
 
+@pytest.mark.slow
 def test_smoke_sweep_against_specserve_serve(tmp_path):
     """The real server on the built-in pair: the sweep starts `specserve serve` with speculation off and with a
     chain, runs a two-rung ladder with a few short requests, and stops both servers."""

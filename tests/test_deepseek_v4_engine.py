@@ -86,6 +86,7 @@ V4_SAMPLING_CASES = {  # sibling rule -> (branching, law); the rules and laws of
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", sorted(V4_SAMPLING_CASES))
 def test_sampled_law_with_trees_on_v4(small_vocab, tmp_path, rule: str) -> None:
     """The 3-token sampled law with trees on a V4 target is the target's, for every sibling rule (chi-square,

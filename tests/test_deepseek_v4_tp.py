@@ -62,6 +62,7 @@ def test_tp2_logits_equal_single_rank(tmp_path) -> None:
             torch.testing.assert_close(got[key], ref, atol=1e-5, rtol=0, msg=f"rank {rank}, {key}")
 
 
+@pytest.mark.slow
 def test_engine_tp2_over_ray_tree_speculation_equals_oracle(tmp_path) -> None:
     """The whole engine: V4 target on two Ray workers (TP over Gloo), the bigram Llama draft, a [2, 2, 1] tree."""
     import ray

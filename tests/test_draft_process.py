@@ -45,8 +45,9 @@ def _run(target: str, cfg: dict, params: SamplingParams, force=None) -> tuple[li
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-                                    SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13,
-                                                   ignore_eos=True)], ids=["greedy", "seeded"])
+                                    pytest.param(SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13,
+                                                                ignore_eos=True), marks=pytest.mark.slow)],
+                         ids=["greedy", "seeded"])
 def test_outputs_identical_with_the_draft_in_its_own_process(llama, params):
     before = os.sched_getaffinity(0)
     cfg = spec(llama.perturbed, branching=[2, 1, 1])
@@ -58,6 +59,7 @@ def test_outputs_identical_with_the_draft_in_its_own_process(llama, params):
     assert os.sched_getaffinity(0) == before  # pinned for the target's forwards only
 
 
+@pytest.mark.slow
 def test_switching_with_the_draft_in_its_own_process(llama):
     """Steps forced pipelined and sequential in turn, the draft in its own process: outputs as without
     pipelining (sequential steps verify on both roles' cores, pipelined ones on the target's)."""
@@ -74,6 +76,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=13, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_a_dead_draft_process_is_replaced_and_outputs_do_not_change(llama):
     # SIGKILL the child mid-job: noticed at once, the engine decodes greedy requests without speculation while a
     # new child loads, holds the seeded sampled ones (their tokens depend on the draft's trees), then speculates

@@ -16,7 +16,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.conftest import random_plans, run_to_completion, spec
+from tests.conftest import marked_slow, random_plans, run_to_completion, spec
 
 MAX_TOKENS = 32
 PROMPTS = [[1], [1, 17, 44, 9, 83], [1] + list(range(20, 32)), [1] + [(7 * i) % 120 + 3 for i in range(29)]]
@@ -275,7 +275,7 @@ def test_one_round_definition_for_request_and_aggregate_stats(llama) -> None:
         agg["accepted_tokens"] / agg["drafted_tokens"], 4)
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("pipeline", marked_slow([False, True], {True}))
 @pytest.mark.parametrize("shape", ["chain5", "tree221"])
 def test_adaptive_depths_keep_greedy_output(family, shape: str, pipeline: bool,
                                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.cost_model import CostModel, Curve
 from scheduler.sampling_params import SamplingParams
-from tests.conftest import SMALL_VOCAB, random_plans, spec
+from tests.conftest import SMALL_VOCAB, marked_slow, random_plans, spec
 
 PROMPT = [1, 7, 4]
 N = 1500  # requests per distribution run
@@ -204,7 +204,7 @@ class _MemoryBoundPolicy(AdaptivePolicy):
         return CostModel(verify=_flat(0.05), draft=_flat(0.001), state=_flat(0.0))
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(ADAPTIVE_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + marked_slow(sorted(ADAPTIVE_CASES), ADAPTIVE_CASES))
 def test_speculative_output_follows_the_target_law(small_vocab, target_logits, case: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = small_vocab

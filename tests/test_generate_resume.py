@@ -38,6 +38,7 @@ def _core(path: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_kill_keeps_a_prefix_in_order_and_resume_finishes_it(tmp_path: Path, sig: signal.Signals) -> None:
     src = _job(tmp_path)

@@ -23,6 +23,8 @@ from tests.test_tp_layers import _tp_worker, free_port, run_logits
 from workers.loader import load_model, load_tokenizer
 from workers.model_config import ModelConfig
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 model
+
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors."]

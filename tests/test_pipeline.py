@@ -86,6 +86,7 @@ def _exact_law(target: str, prompt: list[int], temperature: float) -> torch.Tens
     return joint.sum(0)  # [t2, t3]
 
 
+@pytest.mark.slow
 def test_distribution_with_pipelining(small_vocab):
     """Chi-square of the engine's (t2, t3) law, pipelining on with a tree, against the exact law."""
     target, draft = small_vocab
@@ -176,6 +177,7 @@ def _pipelined_pair_pvalue(target: str, draft: str, n: int) -> tuple[float, LLM]
     return chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue, llm
 
 
+@pytest.mark.slow
 def test_distribution_test_catches_a_wrong_law_with_pipelining(small_vocab, monkeypatch):
     """The chi-square test above, pipelining on, with every tree verified against a law other than the one its
     candidates were drawn from (q^(1/2): the draft at twice its temperature), must fail.

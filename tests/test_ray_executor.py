@@ -21,6 +21,8 @@ from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, random_plans, ray_leftovers
 from workers.messages import SamplingSpec, TargetStep, VerifySeq
 
+pytestmark = pytest.mark.slow  # a Ray cluster
+
 SPECS = {  # name -> speculative settings (None: no speculation)
     "off": None,
     "chain": {"num_speculative_tokens": 3},

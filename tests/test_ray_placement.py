@@ -20,6 +20,8 @@ from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels, ray_leftovers
 from tests.helpers_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # Ray clusters
+
 GREEDY = SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SAMPLED = [SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.8, seed=2000 + i, ignore_eos=True)
            for i in range(len(TP_PROMPTS))]

@@ -18,6 +18,8 @@ from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_PROMPTS, TPModels
 
+pytestmark = pytest.mark.slow  # a Ray cluster
+
 MAX_TOKENS = 40  # long enough that a request is preempted after several accepted rounds
 BLOCK = 8
 SMALL_POOL = 64  # tokens: 8 blocks for 6 requests of up to 13 + 40 + 3 tokens (7 blocks each): must preempt

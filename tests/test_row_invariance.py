@@ -139,6 +139,7 @@ def smol() -> str:
     return smollm2_path()
 
 
+@pytest.mark.slow
 def test_real_four_bit_target_rows_ignore_the_batch(smol: str) -> None:
     model = load_model(smol)  # 4-bit, the default for this file
     assert _invariance_failures(model) == []
@@ -152,6 +153,7 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "What is the opposite of cold?"]
 
 
+@pytest.mark.slow
 def test_real_four_bit_target_greedy_batch_one_equals_batch_sixteen_and_speculation(smol: str) -> None:
     """Before the fix, speculation at batch 16 (the same file as the draft, chains of 3) changed prompt 4 within
     these 12 tokens (3, 4 and 8 within 24), and batch 1 vs 16 changed prompt 3 at its 24th token (12 tokens

@@ -17,6 +17,8 @@ from engine.core.config import DEFAULT_MODELS_DIR
 from scheduler.sampling_params import SamplingParams
 from tests.helpers_server import SubprocessServer, metric_value, wait_until
 
+pytestmark = pytest.mark.slow  # a `specserve serve` subprocess on the built-in pair
+
 MODEL = "specserve-default"
 PROMPTS = [json.loads(line)["prompt"] for line in (DEFAULT_MODELS_DIR / "prompts.jsonl").read_text().splitlines()]
 MAX_TOKENS = 16

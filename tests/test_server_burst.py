@@ -19,6 +19,8 @@ import pytest
 from engine.core.config import DEFAULT_MODELS_DIR
 from tests.helpers_server import SubprocessServer, metric_value
 
+pytestmark = pytest.mark.slow  # a `specserve serve` subprocess on the built-in pair
+
 MODEL = "specserve-default"
 MAX_QUEUE = 4
 BURST = 11 * MAX_QUEUE

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from tests.helpers_server import SubprocessServer
 
+pytestmark = pytest.mark.slow  # a `specserve serve` subprocess on the built-in pair
+
 MODEL = "specserve-default"
 STATUSES: Counter[int] = Counter()  # over the whole module: the fuzz must reach the engine, not only the parser
 

@@ -22,6 +22,7 @@ def server():
     assert srv.stop() in (0, -15) and "Traceback" not in srv.stderr, srv.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_401_without_the_key(server) -> None:
     for key in ("wrong", KEY[:-1], KEY + "x"):
         with pytest.raises(openai.AuthenticationError):
@@ -37,6 +38,7 @@ def test_401_without_the_key(server) -> None:
     assert ok.completions.create(model=MODEL, prompt="def f():", max_tokens=2).usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 def test_429_past_the_queue_bound(server) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
     long = {"model": MODEL, "prompt": "def f():", "max_tokens": 400, "ignore_eos": True, "stream": True}

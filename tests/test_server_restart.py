@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import httpx
 import openai
+import pytest
 
 from engine.execution.faults import TooManyRestartsError
 from tests.helpers_server import (
@@ -257,6 +258,7 @@ def test_recovery_reports_the_role_it_restores() -> None:
 
 # ------------------------------------------------------------------------------------- the built-in pair
 
+@pytest.mark.slow
 def test_engine_restart_with_streams_and_a_batch_job_in_flight(tmp_path) -> None:
     from engine.core.args import EngineArgs
     from engine.core.config import DEFAULT_MODELS_DIR

@@ -16,11 +16,14 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from engine.core.args import EngineArgs
 from tests.conftest import TP_PROMPTS, TPModels
 from tests.helpers_server import HealthPoller, ThreadServer, wait_until
 from tests.test_worker_faults import MAX_TOKENS, ray_cluster, reference, speculative  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow  # a Ray cluster and a server
 
 
 def test_streams_survive_a_dead_target_rank_and_health_shows_degraded(  # noqa: F811 (fixtures by name)

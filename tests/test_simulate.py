@@ -125,3 +125,29 @@ def test_hits_by_accepted_pairs_each_round_with_the_previous_one_of_its_request(
              Step([rt(0, 2, True), rt(1, 0, False)]),  # after 4 accepted: hit; after 1: miss
              Step([rt(0, 4, True), rt(1, 4, True)])]  # after 2: hit; after 0: hit
     assert hits_by_accepted(trace) == {0: (1, 1), 1: (0, 1), 2: (1, 1), 4: (1, 1)}
+
+
+def test_record_and_calibrate_on_the_builtin_pair(tmp_path, capsys):
+    """``record`` traces real runs of the engine (a chain, then pipelined), ``calibrate`` fits the CPU cost model
+    from the two traces and compares simulated with measured tokens/s."""
+    traces = {}
+    for mode in ("chain", "pipelined"):
+        traces[mode] = tmp_path / f"{mode}.jsonl"
+        assert simulate_main(["record", "--mode", mode, "--num-prompts", "2", "--max-tokens", "12",
+                              "--out", str(traces[mode])]) == 0
+    for mode, path in traces.items():
+        header, got = read_trace(str(path))
+        assert header["mode"] == mode
+        spec_rounds = [r for s in got for r in s.rounds if r.drafted]
+        assert spec_rounds and all(1 <= r.drafted <= 4 and r.accepted <= r.drafted and r.emitted == r.accepted + 1
+                                   for r in spec_rounds)
+        assert all((r.hit is None) == (mode == "chain") for r in spec_rounds)
+        # every token of the run comes from a prefill or a round: 2 prompts x 12 tokens
+        assert sum(r.emitted for s in got for r in s.rounds) + sum(1 for s in got if s.prefill_tokens) >= 2 * 12
+    out = tmp_path / "fit.json"
+    assert simulate_main(["calibrate", "--chain", str(traces["chain"]), "--pipelined", str(traces["pipelined"]),
+                          "--json", str(out)]) == 0
+    fit = json.loads(out.read_text())
+    assert fit["cost_model"]["name"] == "cpu" and fit["cost_model"]["verify_fixed_ms"] > 0
+    assert all(fit[k]["chain"] > 0 and fit[k]["pipelined"] > 0 for k in ("measured", "simulated"))
+    assert "pipelined" in capsys.readouterr().out

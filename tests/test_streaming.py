@@ -137,6 +137,7 @@ def test_a_special_stop_token_ends_the_request_but_is_not_text(bpe) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- the engine
+@pytest.mark.slow
 def test_a_4000_token_output_with_a_stop_string_at_the_end(long_context: str) -> None:
     llm = LLM(long_context)
     greedy = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}

@@ -23,6 +23,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.conftest import marked_slow
 from workers import verification
 from workers.proposal import ProposalMode
 from workers.proposal import draw_children_batch as draw
@@ -193,7 +194,7 @@ WRONG = {
 }
 
 
-@pytest.mark.parametrize("name", list(WRONG))
+@pytest.mark.parametrize("name", marked_slow(WRONG, {"most_probable_branch", "greedy_at_T1", "resample_from_p"}))
 def test_wrong_rules_are_caught(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, patch = WRONG[name]
     if callable(patch):

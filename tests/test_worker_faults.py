@@ -96,6 +96,7 @@ def run_with_kills(llm: LLM, kills: list[tuple[int, str, int]], deadline_s: floa
     return (ordered[: len(TP_PROMPTS)], ordered[len(TP_PROMPTS):]), noticed
 
 
+@pytest.mark.slow
 def test_dead_draft_on_zmq_is_noticed_in_seconds_and_the_error_names_it(ray_cluster, tp_models: TPModels) -> None:
     # No restarts allowed: the job stops, quickly, with an error naming the dead worker (it used to hang 10 min).
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, max_worker_restarts=0) as llm:
@@ -115,6 +116,7 @@ def test_dead_draft_on_zmq_is_noticed_in_seconds_and_the_error_names_it(ray_clus
         assert "max_worker_restarts=0" in str(err.value)
 
 
+@pytest.mark.slow
 def test_target_rank1_dies_on_zmq_every_request_completes_identically(ray_cluster, tp_models: TPModels,
                                                                         reference) -> None:
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2) as llm:
@@ -129,6 +131,7 @@ def test_target_rank1_dies_on_zmq_every_request_completes_identically(ray_cluste
     assert not old & new  # both ranks replaced: a new torch.distributed group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["ray"])
 def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluster, tp_models: TPModels,
                                                                        reference, transport: str) -> None:
@@ -176,6 +179,7 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
         assert engine.stats.num_rounds > rounds  # speculative rounds again
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport,pipeline", [("zmq", False), ("ray", True)])
 def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: TPModels, reference,
                                                        monkeypatch: pytest.MonkeyPatch, transport: str,
@@ -259,6 +263,7 @@ for s in socks:
 """
 
 
+@pytest.mark.slow
 def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) -> None:
     with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2) as llm:
         ex = llm.engine.executor
@@ -288,6 +293,7 @@ def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) 
     assert all(d["steps"] > 0 for d in by_worker.values()) and by_worker[("target", 0)]["laws"] > 0
 
 
+@pytest.mark.slow
 def test_specserve_generate_survives_target_rank0_dying_twice_on_ray_transport(
         ray_cluster, tp_models: TPModels, reference, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     import json

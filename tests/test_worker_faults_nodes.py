@@ -13,6 +13,8 @@ from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import TP_MAX_TOKENS, TP_PROMPTS, TPModels
 
+pytestmark = pytest.mark.slow  # a two-node Ray cluster
+
 GREEDY = SamplingParams(max_tokens=3 * TP_MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=3 * TP_MAX_TOKENS, temperature=0.9, top_p=0.95, seed=3000 + i, ignore_eos=True)
           for i in range(len(TP_PROMPTS))]

@@ -1,0 +1,41 @@
+"""``python -m benchmarks.gguf_decode``: the weight bytes it reports, and a run end to end on the real file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.gguf_decode import gguf_weight_bytes, weight_bytes
+from engine import LLM
+from tests.conftest import VOCAB, workers
+from tests.helpers_gguf import hf_to_gguf, smollm2_path
+from tests.helpers_models import make_tiny_checkpoint
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_weight_bytes_from_the_file_are_what_the_engine_holds(tmp_path, quantization: str) -> None:
+    """Read from the file's tensor table, without reaching into the engine: the 4-bit matrices packed under
+    ``--quantization gguf`` and everything else in float32."""
+    hf = make_tiny_checkpoint(tmp_path / "hf", family="llama", vocab_size=VOCAB, seed=0)
+    path = hf_to_gguf(hf, tmp_path / "tiny.gguf", "Q4_1")
+    llm = LLM(path, None, quantization=quantization, num_kv_tokens=64, max_num_seqs=1)
+    try:
+        held = weight_bytes(workers(llm.engine)[0].model)
+    finally:
+        llm.shutdown()
+    assert gguf_weight_bytes(path, packed=quantization == "gguf") == held
+    assert gguf_weight_bytes(path, packed=True) < gguf_weight_bytes(path, packed=False)
+
+
+@pytest.mark.slow
+def test_gguf_decode_runs_on_smollm2(tmp_path) -> None:
+    from benchmarks.gguf_decode import main
+
+    path = smollm2_path()
+    out = tmp_path / "g.json"
+    assert main(["--target", path, "--max-tokens", "2", "--repeats", "1", "--modes", "specserve_q4",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["mode"] == "specserve_q4" and row["tok_s"] > 0
+    assert row["weight_bytes"] == gguf_weight_bytes(path, packed=True)
