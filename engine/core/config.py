@@ -291,8 +291,17 @@ class ParallelConfig:
     # (engine/execution/recovery.py); 0: never.
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
+    # The last resort for a worker that is alive but does not answer one step (a dead one is noticed within about
+    # a second); also how long the verifier waits for a live draft's laws and a replacement draft may take to start.
+    step_timeout_s: float = 600.0
+    worker_threads: int = 1  # torch CPU threads per worker process (a draft process pinned to cores: one per core)
 
     def __post_init__(self) -> None:
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        t = self.worker_threads
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"worker_threads must be an integer >= 1, got {t!r}")
         r = self.max_worker_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {r!r}")

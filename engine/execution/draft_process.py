@@ -44,7 +44,6 @@ from workers.law_channel import LawStore, first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
-STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 START_TIMEOUT_S = 300.0  # loading the draft under load
 
 
@@ -79,6 +78,7 @@ class DraftProcessExecutor:
         dcores = check_cores(draft_cores, "draft_cores")
         self._tcores = check_cores(target_cores, "target_cores")
         self._draft, self._dcores = draft, sorted(dcores) if dcores is not None else None
+        self.step_timeout_s = target.step_timeout_s  # make_executor sets both roles' from ParallelConfig
         self._proc: subprocess.Popen | None = None
         self._gen = 0  # how many draft processes were started
         self._push = self._reply = None
@@ -164,8 +164,8 @@ class DraftProcessExecutor:
             waited = time.monotonic() - start
             if self._proc.poll() is not None:
                 raise self._died("", waited)
-            if waited > STEP_TIMEOUT_S:
-                raise WorkerStuckError("draft", STEP_TIMEOUT_S)
+            if waited > self.step_timeout_s:
+                raise WorkerStuckError("draft", self.step_timeout_s)
 
     def submit_target(self, msg: TargetStep) -> None:
         # Runs in wait_target, on the caller's thread (its cores), while the draft process works on its own.
@@ -301,10 +301,9 @@ def _main() -> None:
     cores = start["cores"]
     if cores is not None:
         os.sched_setaffinity(0, set(cores))
-    # WorkerProcess.setup reads the thread count from here: one torch thread per core of its own.
-    os.environ["SPECSERVE_WORKER_THREADS"] = str(len(cores) if cores else
-                                                 os.environ.get("SPECSERVE_WORKER_THREADS", "1"))
     config = WorkerConfig(**start["config"])
+    if cores:  # one torch thread per core of its own
+        config = dataclasses.replace(config, num_threads=len(cores))
     host = WorkerProcess("draft", config, 0, 1, bytes.fromhex(start["secret"]))
     host.setup("127.0.0.1", 0, use_gpu=config.device.startswith("cuda"))  # the same GPU as the target (cuda:0)
     host.connect_laws(start["laws"], start["first_tree_id"])  # its generation's tree ids: see the executor

@@ -24,7 +24,6 @@ from workers.law_channel import first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
-STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 ERROR_GRACE_S = 2.0  # after a worker's error, how long to look for a dead rank behind it
 
 
@@ -33,6 +32,7 @@ class RayExecutor:
         import ray
 
         self.parallel = parallel
+        self.step_timeout_s = parallel.step_timeout_s
         self._started_ray = False
         self._groups: dict[str, Any] = {}  # role -> placement group
         self._configs: dict[str, WorkerConfig] = {}
@@ -239,7 +239,7 @@ class RayExecutor:
 
         # Short waits, asking between them whether every rank is alive: a dead rank 1 must not leave us
         # waiting on rank 0, blocked in a collective with it.
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+        deadline = time.monotonic() + self.step_timeout_s
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
@@ -248,12 +248,12 @@ class RayExecutor:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
                     raise WorkerDiedError(role, refs.index(ref), died_because(ref),
-                                          STEP_TIMEOUT_S - (deadline - time.monotonic())) from None
-            self._liveness.check(role, STEP_TIMEOUT_S - (deadline - time.monotonic()))
+                                          self.step_timeout_s - (deadline - time.monotonic())) from None
+            self._liveness.check(role, self.step_timeout_s - (deadline - time.monotonic()))
             if role == "target":
-                self._watch_law_sender(STEP_TIMEOUT_S - (deadline - time.monotonic()))
+                self._watch_law_sender(self.step_timeout_s - (deadline - time.monotonic()))
             if pending and time.monotonic() > deadline:
-                raise WorkerStuckError(role, STEP_TIMEOUT_S)
+                raise WorkerStuckError(role, self.step_timeout_s)
         decoded = [codec.decode(r) for r in ray.get(refs)]
         for r in decoded:
             if r.error is not None:
@@ -287,8 +287,8 @@ class RayExecutor:
                 if role == "target":
                     self._watch_law_sender(now - start)
                 next_check = now + POLL_S
-                if now - start > STEP_TIMEOUT_S:
-                    raise WorkerStuckError(role, STEP_TIMEOUT_S)
+                if now - start > self.step_timeout_s:
+                    raise WorkerStuckError(role, self.step_timeout_s)
 
     def _worker_failed(self, role: str, error: str) -> None:
         """Raise a rank's error, unless it is the echo of another rank's death (a collective whose peer vanished

@@ -29,18 +29,41 @@ stops the engine like any exhausted budget.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.execution.faults import TooManyRestartsError, WorkerDiedError
 
-DRAFT_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+class RestartableExecutor(Protocol):
+    """An executor whose workers can be replaced (Ray actors, a draft process)."""
+
+    step_timeout_s: float  # also how long a replacement draft may take to start
+
+    def in_flight(self) -> list[str]: ...
+
+    def discard_in_flight(self, role: str) -> None: ...
+
+    def wait_target(self) -> Any: ...
+
+    def wait_draft(self) -> Any: ...
+
+    def begin_restart(self, role: str) -> None: ...
+
+    def finish_restart(self, role: str, block: bool) -> bool: ...
+
+
+class RecoveringEngine(Protocol):
+    """What recovery needs of the engine: its executor, and the two hooks that drop and refill worker state."""
+
+    @property
+    def executor(self) -> RestartableExecutor: ...
+
+    def lose_worker_state(self, role: str) -> None: ...
+
+    def resume_draft(self) -> None: ...
 
 
 @dataclass
@@ -82,7 +105,7 @@ class RecoveryCollector:
 
 
 class Recovery:
-    def __init__(self, engine: LLMEngine, max_restarts: int, window_s: float) -> None:
+    def __init__(self, engine: RecoveringEngine, max_restarts: int, window_s: float) -> None:
         self.engine = engine
         self.max_restarts = max_restarts
         self.window_s = window_s
@@ -90,7 +113,7 @@ class Recovery:
         self._recent: deque[tuple[float, str]] = deque()  # (time, description) of failures in the window
         self._restarting: dict[str, float] = {}  # role started in the background -> when it was noticed
         self._started: dict[str, float] = {}  # role started in the background -> when its replacement began
-        self.draft_start_timeout_s = DRAFT_START_TIMEOUT_S
+        self.draft_start_timeout_s = engine.executor.step_timeout_s
         self._recovering: str | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
     @property
@@ -151,7 +174,7 @@ class Recovery:
         if not ready and took > self.draft_start_timeout_s:
             del self._restarting["draft"]
             self.recover(WorkerDiedError("draft", None, f"its replacement was not up after {took:.0f} s "
-                                         "(SPECSERVE_STEP_TIMEOUT_S)"))
+                                         "(step_timeout_s)"))
             return
         if ready:
             try:

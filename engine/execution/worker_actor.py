@@ -15,6 +15,7 @@ import socket
 import threading
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ class WorkerProcess:
         device = "cuda:0" if gpu else "cpu"
         if gpu:
             torch.cuda.set_device(0)
-        torch.set_num_threads(max(1, int(os.environ.get("SPECSERVE_WORKER_THREADS", "1"))))
+        torch.set_num_threads(self.config.num_threads)
         tp = TPGroup.single()
         if self.world_size > 1:
             dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
@@ -236,9 +237,8 @@ def code_root() -> str:
     """The folder holding the ``engine`` package this process imported. Ray puts the driver's working directory
     first on its workers' sys.path, so a worker may import another copy of the code than the controller (e.g.
     ``specserve`` from the editable install, run inside a checkout of another version)."""
-    import engine
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
+    # This file is engine/execution/worker_actor.py: three levels up is the folder that holds ``engine``.
+    return str(Path(os.path.abspath(__file__)).parents[2])
 
 
 def _bundle_index() -> int | None:
