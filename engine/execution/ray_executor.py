@@ -8,7 +8,6 @@ sends and receives ints only.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
@@ -19,6 +18,7 @@ from engine.execution.faults import WorkerDiedError, WorkerStuckError
 from engine.execution.frames import FrameAuth, new_secret
 from engine.execution.liveness import POLL_S, LivenessWatch, died_because
 from engine.execution.placement import PlacementPlan, missing_resources, plan_placement
+from engine.execution.role import Role
 from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, code_root, node_ip
 from workers.law_channel import first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
@@ -34,20 +34,20 @@ class RayExecutor:
         self.parallel = parallel
         self.step_timeout_s = parallel.step_timeout_s
         self._started_ray = False
-        self._groups: dict[str, Any] = {}  # role -> placement group
+        self._groups: dict[Role, Any] = {}  # role -> placement group
         self._configs: dict[str, WorkerConfig] = {}
-        self._actors: dict[str, list[Any]] = {"target": [], "draft": []}
-        self._generation: dict[str, int] = {}  # role -> how many times its group was started
-        self._starting: dict[str, list[Any]] = {}  # role -> setup references of a group being restarted
+        self._actors: dict[Role, list[Any]] = {Role.TARGET: [], Role.DRAFT: []}
+        self._generation: dict[Role, int] = {}  # role -> how many times its group was started
+        self._starting: dict[Role, list[Any]] = {}  # role -> setup references of a group being restarted
         self._liveness = LivenessWatch()
         self._secret = new_secret()  # signs every zmq frame; reaches the actors with their constructor
         self._auth = FrameAuth(self._secret, "controller")
-        self._zmq: dict[str, list[Any]] = {}
+        self._zmq: dict[Role, list[Any]] = {}
         self._reply = None
         self._reply_addrs: dict[bool, str] = {}  # loopback? -> address of the reply socket
         self.endpoints: dict[str, list[str]] = {}  # role -> the workers' zmq addresses (diagnostics, tests)
-        self._in_flight: dict[str, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
-        self._replies: dict[str, Any] = {}  # zmq replies that arrived while waiting for the other role
+        self._in_flight: dict[Role, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
+        self._replies: dict[Role, Any] = {}  # zmq replies that arrived while waiting for the other role
         # The draft's death, noticed while waiting for the target: the verifier was told its pending laws will
         # not come (``_watch_law_sender``), and the target's reply says whether it needed them.
         self._law_sender_died: WorkerDiedError | None = None
@@ -57,11 +57,11 @@ class RayExecutor:
             plan = plan_placement(parallel.tensor_parallel_size, parallel.draft_tensor_parallel_size,
                                   draft is not None, ray.cluster_resources().get("GPU", 0.0))
             self.plan = plan
-            roles = {"target": (target, plan.target_bundles, "STRICT_PACK")}
+            roles = {Role.TARGET: (target, plan.target_bundles, "STRICT_PACK")}
             if draft is not None:
                 # The draft's own ranks (if any) need a fast link among themselves too; the draft as a whole
                 # may still sit on another node than the target.
-                roles["draft"] = (draft, plan.draft_bundles, "STRICT_PACK")
+                roles[Role.DRAFT] = (draft, plan.draft_bundles, "STRICT_PACK")
             # Every bundle is reserved before any worker starts, so a plan the cluster cannot hold fails
             # within placement_timeout_s without loading a model first; then both roles start side by side.
             groups = self._reserve(plan, {role: (bundles, strategy) for role, (_, bundles, strategy) in roles.items()})
@@ -92,7 +92,7 @@ class RayExecutor:
                      log_to_driver=False, configure_logging=False)
         self._started_ray = True
 
-    def _reserve(self, plan: PlacementPlan, specs: dict[str, tuple[list[dict[str, float]], str]]) -> list[Any]:
+    def _reserve(self, plan: PlacementPlan, specs: dict[Role, tuple[list[dict[str, float]], str]]) -> list[Any]:
         """One placement group per role (target first: its STRICT_PACK group is the harder one to place)."""
         import ray
         from ray.util.placement_group import placement_group
@@ -110,12 +110,12 @@ class RayExecutor:
             raise RuntimeError(_placement_error(plan, timeout)) from None
         return groups
 
-    def _create_actors(self, role: str, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
+    def _create_actors(self, role: Role, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(WorkerProcess)
-        size = len(plan.target_bundles if role == "target" else plan.draft_bundles)
+        size = len(plan.bundles(role))
         self._generation[role] = self._generation.get(role, 0) + 1
         # The workers inherit the environment of the node's raylet, not ours: forward our settings.
         env = {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}
@@ -136,7 +136,7 @@ class RayExecutor:
         for role, refs in setups.items():
             self._finish_setup(role, refs)
 
-    def _check_code(self, roles: list[str]) -> None:
+    def _check_code(self, roles: list[Role]) -> None:
         """Workers on the controller's machine must run the controller's copy of the code: Ray puts the driver's
         working directory first on a worker's sys.path, so ``specserve`` (the installed package) started inside a
         checkout of another version would pair this controller with that checkout's workers, silently (messages
@@ -159,13 +159,13 @@ class RayExecutor:
                         f"run from {mine} ({hint}), or set "
                         f"PYTHONPATH={theirs} and run `python -m engine.cli` so both use that copy")
 
-    def _begin_setup(self, role: str, plan: PlacementPlan) -> list[Any]:
+    def _begin_setup(self, role: Role, plan: PlacementPlan) -> list[Any]:
         import ray
 
         addr, port = ray.get(self._actors[role][0].address.remote())
         return [a.setup.remote(addr, port, plan.use_gpu) for a in self._actors[role]]
 
-    def _finish_setup(self, role: str, refs: list[Any]) -> None:
+    def _finish_setup(self, role: Role, refs: list[Any]) -> None:
         import ray
 
         try:
@@ -178,13 +178,13 @@ class RayExecutor:
         whenever either side was replaced."""
         import ray
 
-        target, draft = self._actors["target"][0], self._actors["draft"][0]
+        target, draft = self._actors[Role.TARGET][0], self._actors[Role.DRAFT][0]
         nodes = {w["node_id"] for w in ray.get([target.describe.remote(), draft.describe.remote()])}
         address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
-        ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation["draft"])))
+        ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation[Role.DRAFT])))
         self.endpoints["laws"] = [address]
 
-    def _connect(self, role: str) -> None:
+    def _connect(self, role: Role) -> None:
         """Watch the role's ranks; on the zmq transport, have them serve and connect to them."""
         import ray
         import zmq
@@ -213,11 +213,11 @@ class RayExecutor:
         self._zmq[role] = pushes
         self.endpoints[role] = endpoints
 
-    def _tag(self, role: str) -> bytes:
+    def _tag(self, role: Role) -> bytes:
         return f"{role}/{self._generation[role]}".encode()
 
     # ------------------------------------------------------------------------------------------- the hot path
-    def _submit(self, role: str, payload: bytes, op: bytes = OP_STEP) -> None:
+    def _submit(self, role: Role, payload: bytes, op: bytes = OP_STEP) -> None:
         if role in self._in_flight:
             raise RuntimeError(f"a {role} call is already in flight")
         if self.parallel.transport == "zmq":
@@ -229,7 +229,7 @@ class RayExecutor:
             method = "execute" if op == OP_STEP else "echo"
             self._in_flight[role] = [getattr(a, method).remote(payload) for a in self._actors[role]]
 
-    def _wait(self, role: str) -> Any:
+    def _wait(self, role: Role) -> Any:
         if role not in self._in_flight:
             raise RuntimeError(f"no {role} call in flight")
         refs = self._in_flight.pop(role)
@@ -250,7 +250,7 @@ class RayExecutor:
                     raise WorkerDiedError(role, refs.index(ref), died_because(ref),
                                           self.step_timeout_s - (deadline - time.monotonic())) from None
             self._liveness.check(role, self.step_timeout_s - (deadline - time.monotonic()))
-            if role == "target":
+            if role == Role.TARGET:
                 self._watch_law_sender(self.step_timeout_s - (deadline - time.monotonic()))
             if pending and time.monotonic() > deadline:
                 raise WorkerStuckError(role, self.step_timeout_s)
@@ -260,7 +260,7 @@ class RayExecutor:
                 self._worker_failed(role, r.error)
         return decoded[0].result
 
-    def _await_zmq(self, role: str) -> Any:
+    def _await_zmq(self, role: Role) -> Any:
         """Rank 0's reply for ``role``; replies for the other role that arrive meanwhile are kept."""
         import zmq
 
@@ -284,13 +284,13 @@ class RayExecutor:
             now = time.monotonic()
             if now >= next_check:  # also while the other role's replies keep arriving
                 self._liveness.check(role, now - start)
-                if role == "target":
+                if role == Role.TARGET:
                     self._watch_law_sender(now - start)
                 next_check = now + POLL_S
                 if now - start > self.step_timeout_s:
                     raise WorkerStuckError(role, self.step_timeout_s)
 
-    def _worker_failed(self, role: str, error: str) -> None:
+    def _worker_failed(self, role: Role, error: str) -> None:
         """Raise a rank's error, unless it is the echo of another rank's death (a collective whose peer vanished
         fails at once, before Ray reports the death): then the death, which recovery can act on."""
         deadline = time.monotonic() + ERROR_GRACE_S
@@ -304,32 +304,32 @@ class RayExecutor:
         """While the target verifies, the draft's laws may still be on their way to it: if the draft died, tell
         the verifier now (a Ray call, whatever the transport: the actor serves it on another thread) that the
         trees its generation numbered will not come, so it stops waiting and answers at once."""
-        if self._law_sender_died is not None or not self._actors["draft"]:
+        if self._law_sender_died is not None or not self._actors[Role.DRAFT]:
             return
         try:
-            self._liveness.check("draft", waited_s)
+            self._liveness.check(Role.DRAFT, waited_s)
         except WorkerDiedError as e:
             self._law_sender_died = e
             # Every tree this generation (or an older one) numbered: below the next generation's first id.
-            self._actors["target"][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
-                                                       first_tree_id(self._generation["draft"] + 1))
+            self._actors[Role.TARGET][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
+                                                       first_tree_id(self._generation[Role.DRAFT] + 1))
 
     def submit_draft(self, msg: DraftStep) -> None:
-        self._submit("draft", codec.encode(msg))
+        self._submit(Role.DRAFT, codec.encode(msg))
 
     def wait_draft(self) -> DraftStepOutput:
-        return self._wait("draft")
+        return self._wait(Role.DRAFT)
 
     def submit_target(self, msg: TargetStep) -> None:
-        self._submit("target", codec.encode(msg))
+        self._submit(Role.TARGET, codec.encode(msg))
 
     def wait_target(self) -> TargetStepOutput:
-        out: TargetStepOutput = self._wait("target")
+        out: TargetStepOutput = self._wait(Role.TARGET)
         if out.laws_error is not None:  # the step verified nothing: abandoned, like any step a worker died in
             died = self._law_sender_died
             if died is None:  # told by nobody: the verifier's last-resort timeout, or a death seen just now
                 try:
-                    self._liveness.check("draft")
+                    self._liveness.check(Role.DRAFT)
                 except WorkerDiedError as e:
                     died = e
             if died is None:
@@ -339,7 +339,7 @@ class RayExecutor:
         return out
 
     # ------------------------------------------------------------------------------------------- recovery
-    def discard_in_flight(self, role: str) -> None:
+    def discard_in_flight(self, role: Role) -> None:
         """Forget a call to ``role`` that will never be answered (its worker died): nothing is waited for."""
         self._in_flight.pop(role, None)
         self._replies.pop(role, None)
@@ -347,27 +347,25 @@ class RayExecutor:
     def in_flight(self) -> list[str]:
         return list(self._in_flight)
 
-    def begin_restart(self, role: str) -> None:
+    def begin_restart(self, role: Role) -> None:
         """Replace every rank of ``role`` (engine/execution/recovery.py): kill the old actors, place a fresh group and
         start new ones, which load their shards and form a new torch.distributed group in the background.
         The placement group is re-created, so a rank whose node is gone lands wherever the cluster has room."""
         self.discard_in_flight(role)
-        if role == "draft":
+        if role == Role.DRAFT:
             self._law_sender_died = None  # the next generation's trees can arrive again
         self._close_role(role)
         self._kill_role(role)
         self._remove_groups([role])
-        bundles = self.plan.target_bundles if role == "target" else self.plan.draft_bundles
         # What the cluster lacks is judged for this role alone: the other role keeps its bundles.
-        alone = dataclasses.replace(self.plan, **{"draft_bundles" if role == "target" else "target_bundles": []})
         try:
-            (pg,) = self._reserve(alone, {role: (bundles, "STRICT_PACK")})
+            (pg,) = self._reserve(self.plan.only(role), {role: (self.plan.bundles(role), "STRICT_PACK")})
         except RuntimeError as e:
             raise RuntimeError(f"restarting the {role} workers: {e}") from None
         self._create_actors(role, self._configs[role], pg, self.plan)
         self._starting[role] = self._begin_setup(role, self.plan)
 
-    def finish_restart(self, role: str, block: bool) -> bool:
+    def finish_restart(self, role: Role, block: bool) -> bool:
         """True once the restarted ``role`` is ready for calls (``block``: wait for it)."""
         import ray
 
@@ -381,7 +379,7 @@ class RayExecutor:
         del self._starting[role]
         self._finish_setup(role, refs)
         self._connect(role)
-        if self._actors["draft"] and self._actors["target"] and not self._starting:
+        if self._actors[Role.DRAFT] and self._actors[Role.TARGET] and not self._starting:
             self._connect_laws()
         return True
 
@@ -391,7 +389,7 @@ class RayExecutor:
 
         return ray.get([a.describe.remote() for actors in self._actors.values() for a in actors])
 
-    def echo(self, role: str, msg: Any) -> Any:
+    def echo(self, role: Role, msg: Any) -> Any:
         """Round trip through the transport without running a model (overhead benchmark)."""
         self._submit(role, codec.encode(msg), OP_ECHO)
         return self._wait(role)
@@ -413,7 +411,7 @@ class RayExecutor:
             ray.shutdown()
             self._started_ray = False
 
-    def _close_role(self, role: str) -> None:
+    def _close_role(self, role: Role) -> None:
         for s in self._zmq.pop(role, []):
             try:
                 s.send_multipart(self._auth.seal([OP_STOP, b""]), flags=1)  # zmq.NOBLOCK
@@ -422,7 +420,7 @@ class RayExecutor:
             s.close(linger=0)
         self.endpoints.pop(role, None)
 
-    def _kill_role(self, role: str) -> None:
+    def _kill_role(self, role: Role) -> None:
         import ray
 
         self._liveness.forget(role)
@@ -433,7 +431,7 @@ class RayExecutor:
                 pass
         self._actors[role] = []
 
-    def _remove_groups(self, roles: list[str]) -> None:
+    def _remove_groups(self, roles: list[Role]) -> None:
         from ray.util.placement_group import remove_placement_group
 
         for role in roles:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.execution.faults import TooManyRestartsError, WorkerDiedError
+from engine.execution.role import Role
 
 
 class RestartableExecutor(Protocol):
@@ -44,15 +45,15 @@ class RestartableExecutor(Protocol):
 
     def in_flight(self) -> list[str]: ...
 
-    def discard_in_flight(self, role: str) -> None: ...
+    def discard_in_flight(self, role: Role) -> None: ...
 
     def wait_target(self) -> Any: ...
 
     def wait_draft(self) -> Any: ...
 
-    def begin_restart(self, role: str) -> None: ...
+    def begin_restart(self, role: Role) -> None: ...
 
-    def finish_restart(self, role: str, block: bool) -> bool: ...
+    def finish_restart(self, role: Role, block: bool) -> bool: ...
 
 
 class RecoveringEngine(Protocol):
@@ -61,7 +62,7 @@ class RecoveringEngine(Protocol):
     @property
     def executor(self) -> RestartableExecutor: ...
 
-    def lose_worker_state(self, role: str) -> None: ...
+    def lose_worker_state(self, role: Role) -> None: ...
 
     def resume_draft(self) -> None: ...
 
@@ -111,8 +112,8 @@ class Recovery:
         self.window_s = window_s
         self.stats = RecoveryStats()
         self._recent: deque[tuple[float, str]] = deque()  # (time, description) of failures in the window
-        self._restarting: dict[str, float] = {}  # role started in the background -> when it was noticed
-        self._started: dict[str, float] = {}  # role started in the background -> when its replacement began
+        self._restarting: dict[Role, float] = {}  # role started in the background -> when it was noticed
+        self._started: dict[Role, float] = {}  # role started in the background -> when its replacement began
         self.draft_start_timeout_s = engine.executor.step_timeout_s
         self._recovering: str | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
@@ -161,29 +162,29 @@ class Recovery:
 
     def poll(self) -> None:
         """Between steps: bring a restarted draft back into service once it has loaded."""
-        started = self._restarting.get("draft")
+        started = self._restarting.get(Role.DRAFT)
         if started is None:
             return
         try:
-            ready = self.engine.executor.finish_restart("draft", block=False)
+            ready = self.engine.executor.finish_restart(Role.DRAFT, block=False)
         except RuntimeError as e:
-            del self._restarting["draft"]
-            self.recover(WorkerDiedError("draft", None, f"its replacement failed to start: {e}"))
+            del self._restarting[Role.DRAFT]
+            self.recover(WorkerDiedError(Role.DRAFT, None, f"its replacement failed to start: {e}"))
             return
-        took = time.monotonic() - self._started["draft"]
+        took = time.monotonic() - self._started[Role.DRAFT]
         if not ready and took > self.draft_start_timeout_s:
-            del self._restarting["draft"]
-            self.recover(WorkerDiedError("draft", None, f"its replacement was not up after {took:.0f} s "
+            del self._restarting[Role.DRAFT]
+            self.recover(WorkerDiedError(Role.DRAFT, None, f"its replacement was not up after {took:.0f} s "
                                          "(step_timeout_s)"))
             return
         if ready:
             try:
                 self.engine.resume_draft()
             except WorkerDiedError as e:  # the replacement died while its cache was refilled: once more
-                del self._restarting["draft"]
+                del self._restarting[Role.DRAFT]
                 self.recover(e)
                 return
-            del self._restarting["draft"]
+            del self._restarting[Role.DRAFT]
             self.stats.recovery_s.append(time.monotonic() - started)
 
     def _admit(self, err: WorkerDiedError) -> None:
@@ -198,13 +199,13 @@ class Recovery:
         if len(self._recent) > self.max_restarts:
             raise TooManyRestartsError([d for _, d in self._recent], self.max_restarts, self.window_s) from err
 
-    def _restart(self, role: str, noticed: float) -> None:
+    def _restart(self, role: Role, noticed: float) -> None:
         executor = self.engine.executor
         self._restarting.pop(role, None)
         executor.begin_restart(role)  # RuntimeError if the plan no longer fits the cluster: not retried
         self.stats.restarts[role] = self.stats.restarts.get(role, 0) + 1
         self.engine.lose_worker_state(role)
-        if role == "draft":
+        if role == Role.DRAFT:
             self._restarting[role] = noticed
             self._started[role] = time.monotonic()
             return

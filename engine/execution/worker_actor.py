@@ -23,6 +23,7 @@ import torch
 from engine.execution import codec
 from engine.execution.faults import injected_fault
 from engine.execution.frames import FrameAuth
+from engine.execution.role import Role
 from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
@@ -47,7 +48,7 @@ def node_ip() -> str:
 class WorkerProcess:
     """Wrapped by ``ray.remote`` in ray_executor.py (no Ray decorator here: no import-time side effects)."""
 
-    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
+    def __init__(self, role: Role, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
         self.role = role
         self.secret = secret  # signs and checks every zmq frame (engine/execution/frames.py)
         self._auths: dict[str, FrameAuth] = {}  # socket -> its signer/checker (dropped-frame counts)
@@ -81,7 +82,7 @@ class WorkerProcess:
                                     rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
             tp = TPGroup.from_process_group()
         cfg = dataclasses.replace(self.config, device=device)
-        if self.role == "target":
+        if self.role == Role.TARGET:
             from workers.target_worker import TargetWorker
 
             self.worker = TargetWorker(cfg, tp)
