@@ -14,12 +14,14 @@ from typing import Any
 
 from engine.core.config import ParallelConfig
 from engine.execution import codec
+from engine.execution.code_check import check_worker_code
 from engine.execution.faults import WorkerDiedError, WorkerStuckError
 from engine.execution.frames import FrameAuth, new_secret
 from engine.execution.liveness import POLL_S, LivenessWatch, died_because
-from engine.execution.placement import PlacementPlan, missing_resources, plan_placement
+from engine.execution.placement import PlacementPlan, plan_placement
+from engine.execution.ray_cluster import PlacementGroups, init_ray
 from engine.execution.role import Role
-from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, code_root, node_ip
+from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
 from workers.law_channel import first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
@@ -34,7 +36,7 @@ class RayExecutor:
         self.parallel = parallel
         self.step_timeout_s = parallel.step_timeout_s
         self._started_ray = False
-        self._groups: dict[Role, Any] = {}  # role -> placement group
+        self._groups = PlacementGroups(parallel.placement_timeout_s)
         self._configs: dict[str, WorkerConfig] = {}
         self._actors: dict[Role, list[Any]] = {Role.TARGET: [], Role.DRAFT: []}
         self._generation: dict[Role, int] = {}  # role -> how many times its group was started
@@ -53,7 +55,8 @@ class RayExecutor:
         self._law_sender_died: WorkerDiedError | None = None
         try:
             if not ray.is_initialized():
-                self._init_ray(parallel, draft is not None)
+                init_ray(parallel, draft is not None)
+                self._started_ray = True
             plan = plan_placement(parallel.tensor_parallel_size, parallel.draft_tensor_parallel_size,
                                   draft is not None, ray.cluster_resources().get("GPU", 0.0))
             self.plan = plan
@@ -64,7 +67,8 @@ class RayExecutor:
                 roles[Role.DRAFT] = (draft, plan.draft_bundles, "STRICT_PACK")
             # Every bundle is reserved before any worker starts, so a plan the cluster cannot hold fails
             # within placement_timeout_s without loading a model first; then both roles start side by side.
-            groups = self._reserve(plan, {role: (bundles, strategy) for role, (_, bundles, strategy) in roles.items()})
+            groups = self._groups.reserve(plan, {role: (bundles, strategy)
+                                                 for role, (_, bundles, strategy) in roles.items()})
             for (role, (config, _, _)), pg in zip(roles.items(), groups, strict=True):
                 self._configs[role] = config
                 self._create_actors(role, config, pg, plan)
@@ -78,38 +82,6 @@ class RayExecutor:
             raise
 
     # ------------------------------------------------------------------------------------------- start-up
-    def _init_ray(self, parallel: ParallelConfig, has_draft: bool) -> None:
-        import ray
-
-        if parallel.address:
-            ray.init(address=parallel.address, log_to_driver=False)
-        else:
-            # A local cluster must offer one CPU bundle per worker even on a 2-core machine: bundles are
-            # reservations, and these workers mostly wait on each other. address="local": without it,
-            # ray.init joins any cluster `ray start` left on this machine (and refuses num_cpus there).
-            bundles = parallel.tensor_parallel_size + (parallel.draft_tensor_parallel_size if has_draft else 0)
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        self._started_ray = True
-
-    def _reserve(self, plan: PlacementPlan, specs: dict[Role, tuple[list[dict[str, float]], str]]) -> list[Any]:
-        """One placement group per role (target first: its STRICT_PACK group is the harder one to place)."""
-        import ray
-        from ray.util.placement_group import placement_group
-
-        groups = []
-        for role, (bundles, strategy) in specs.items():
-            pg = placement_group(bundles, strategy=strategy)
-            self._groups[role] = pg
-            groups.append(pg)
-        timeout = self.parallel.placement_timeout_s
-        try:
-            ray.get([pg.ready() for pg in groups], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            self._remove_groups(list(specs))
-            raise RuntimeError(_placement_error(plan, timeout)) from None
-        return groups
-
     def _create_actors(self, role: Role, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -131,33 +103,10 @@ class RayExecutor:
     def _setup_actors(self, plan: PlacementPlan) -> None:
         """Each role's ranks join their own process group (rank 0's address) and load their shards."""
         roles = [role for role, actors in self._actors.items() if actors]
-        self._check_code(roles)
+        check_worker_code(self._actors, roles)
         setups = {role: self._begin_setup(role, plan) for role in roles}
         for role, refs in setups.items():
             self._finish_setup(role, refs)
-
-    def _check_code(self, roles: list[Role]) -> None:
-        """Workers on the controller's machine must run the controller's copy of the code: Ray puts the driver's
-        working directory first on a worker's sys.path, so ``specserve`` (the installed package) started inside a
-        checkout of another version would pair this controller with that checkout's workers, silently (messages
-        still decode; drafts and commits may not mean the same thing on both sides)."""
-        import ray
-
-        here, mine = ray.get_runtime_context().get_node_id(), code_root()
-        hint = "Ray puts the working directory first on its workers' path"
-        for role in roles:
-            try:
-                where = ray.get([a.code.remote() for a in self._actors[role]])
-            except Exception as e:  # a worker of another version may lack ``code``
-                raise RuntimeError(f"the {role} workers could not say where they import specserve from "
-                                   f"({type(e).__name__}): they probably run another copy than this controller "
-                                   f"({mine}); run from {mine} ({hint})") from None
-            for rank, (node, theirs) in enumerate(where):
-                if node == here and theirs != mine:
-                    raise RuntimeError(
-                        f"the {role} worker rank {rank} imports specserve from {theirs}, this controller from {mine}: "
-                        f"run from {mine} ({hint}), or set "
-                        f"PYTHONPATH={theirs} and run `python -m engine.cli` so both use that copy")
 
     def _begin_setup(self, role: Role, plan: PlacementPlan) -> list[Any]:
         import ray
@@ -356,10 +305,11 @@ class RayExecutor:
             self._law_sender_died = None  # the next generation's trees can arrive again
         self._close_role(role)
         self._kill_role(role)
-        self._remove_groups([role])
+        self._groups.remove([role])
         # What the cluster lacks is judged for this role alone: the other role keeps its bundles.
         try:
-            (pg,) = self._reserve(self.plan.only(role), {role: (self.plan.bundles(role), "STRICT_PACK")})
+            (pg,) = self._groups.reserve(self.plan.only(role),
+                                         {role: (self.plan.bundles(role), "STRICT_PACK")})
         except RuntimeError as e:
             raise RuntimeError(f"restarting the {role} workers: {e}") from None
         self._create_actors(role, self._configs[role], pg, self.plan)
@@ -406,7 +356,7 @@ class RayExecutor:
         self._reply_addrs = {}
         for role in list(self._actors):
             self._kill_role(role)
-        self._remove_groups(list(self._groups))
+        self._groups.remove_all()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
@@ -430,32 +380,3 @@ class RayExecutor:
             except Exception:
                 pass
         self._actors[role] = []
-
-    def _remove_groups(self, roles: list[Role]) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for role in roles:
-            pg = self._groups.pop(role, None)
-            if pg is None:
-                continue
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-
-
-def _placement_error(plan: PlacementPlan, timeout: float) -> str:
-    """Why the plan could not be placed: what the cluster lacks in total, or else that others hold it."""
-    import ray
-
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    total = ray.cluster_resources()
-    res = plan.resource
-    why = missing_resources(plan, total, nodes)
-    if why is None:
-        free = ray.available_resources().get(res, 0.0)
-        why = (f"the cluster has enough {res} in total but only {free:g} free: other jobs or engines hold the "
-               "rest")
-    return (f"could not place the workers within {timeout:g} s: {why}. Needed: {plan.describe()}. Cluster: "
-            f"{total.get('CPU', 0.0):g} CPU, {total.get('GPU', 0.0):g} GPU on {len(nodes)} node(s). Lower "
-            "tensor_parallel_size / draft_tensor_parallel_size, or add nodes.")
