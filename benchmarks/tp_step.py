@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
-    executors = {tp: RayExecutor(ParallelConfig(tensor_parallel_size=tp, backend="ray"), wcfg, None) for tp in (1, 2)}
+    executors = {tp: RayExecutor(ParallelConfig(tensor_parallel_size=tp, backend="ray", worker_threads=threads), wcfg,
+                                 None) for tp in (1, 2)}
     try:
         local = TargetWorker(wcfg)
         submits: dict[str, Any] = {"in-process TP=1": local.step}

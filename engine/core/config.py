@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
 from workers.loader import QUANTIZATION_CHOICES
+from workers.worker_config import WorkerConfig
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[1] / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
@@ -328,6 +329,10 @@ class ParallelConfig:
             return self.backend
         wants_ray = self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1 or self.address
         return "ray" if wants_ray else "uni"
+
+    def for_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """``config`` carrying this config's share for a worker: its step timeout and torch thread count."""
+        return replace(config, step_timeout_s=self.step_timeout_s, num_threads=self.worker_threads)
 
 
 @dataclass

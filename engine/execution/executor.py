@@ -8,7 +8,6 @@ thread (torch releases the GIL in its kernels), for tests and tensor_parallel_si
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -77,9 +76,8 @@ def make_executor(parallel: ParallelConfig, target: WorkerConfig, draft: WorkerC
                   draft_process: bool = False, draft_cores: list[int] | None = None,
                   target_cores: list[int] | None = None) -> Executor:
     # The workers' share of the parallel config: they receive only their own WorkerConfig.
-    carried = {"step_timeout_s": parallel.step_timeout_s, "num_threads": parallel.worker_threads}
-    target = dataclasses.replace(target, **carried)
-    draft = dataclasses.replace(draft, **carried) if draft is not None else None
+    target = parallel.for_worker(target)
+    draft = parallel.for_worker(draft) if draft is not None else None
     if parallel.resolved_backend == "uni":
         if draft is not None and draft_process:
             from engine.execution.draft_process import DraftProcessExecutor

@@ -35,6 +35,8 @@ class RayExecutor:
 
         self.parallel = parallel
         self.step_timeout_s = parallel.step_timeout_s
+        target = parallel.for_worker(target)  # also when built directly, not through make_executor
+        draft = parallel.for_worker(draft) if draft is not None else None
         self._started_ray = False
         self._groups = PlacementGroups(parallel.placement_timeout_s)
         self._configs: dict[str, WorkerConfig] = {}
