@@ -209,7 +209,7 @@ class DraftProcessExecutor:
                 "target_cores": sorted(self._tcores) if self._tcores is not None else None}
 
     # --------------------------------------------------------------------------------------------- recovery
-    def in_flight(self) -> list[str]:
+    def in_flight(self) -> list[Role]:
         return ([Role.DRAFT] if self._in_flight else []) + ([Role.TARGET] if self._target_msg is not None else [])
 
     def discard_in_flight(self, role: Role) -> None:

@@ -295,7 +295,7 @@ class RayExecutor:
         self._in_flight.pop(role, None)
         self._replies.pop(role, None)
 
-    def in_flight(self) -> list[str]:
+    def in_flight(self) -> list[Role]:
         return list(self._in_flight)
 
     def begin_restart(self, role: Role) -> None:

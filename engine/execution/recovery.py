@@ -43,7 +43,7 @@ class RestartableExecutor(Protocol):
 
     step_timeout_s: float  # also how long a replacement draft may take to start
 
-    def in_flight(self) -> list[str]: ...
+    def in_flight(self) -> list[Role]: ...
 
     def discard_in_flight(self, role: Role) -> None: ...
 
@@ -115,7 +115,7 @@ class Recovery:
         self._restarting: dict[Role, float] = {}  # role started in the background -> when it was noticed
         self._started: dict[Role, float] = {}  # role started in the background -> when its replacement began
         self.draft_start_timeout_s = engine.executor.step_timeout_s
-        self._recovering: str | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
+        self._recovering: Role | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
     @property
     def degraded(self) -> bool:
@@ -175,7 +175,7 @@ class Recovery:
         if not ready and took > self.draft_start_timeout_s:
             del self._restarting[Role.DRAFT]
             self.recover(WorkerDiedError(Role.DRAFT, None, f"its replacement was not up after {took:.0f} s "
-                                         "(step_timeout_s)"))
+                                         "(--step-timeout)"))
             return
         if ready:
             try:
