@@ -1,4 +1,4 @@
-"""engine/client.py without a server: retries, error types, SSE parsing and batch helpers (httpx mock transport)."""
+"""engine/client/ without a server: retries, error types, SSE parsing and batch helpers (httpx mock transport)."""
 
 from __future__ import annotations
 

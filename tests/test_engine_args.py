@@ -57,6 +57,20 @@ def test_llm_takes_the_same_keywords() -> None:
     assert llm.engine.config.scheduler.max_num_seqs == 3 and llm.engine.config.cache.block_size == 8
 
 
+def test_step_timeout_and_threads_are_flags_and_reach_the_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_STEP_TIMEOUT_S", "45")  # the CLI's default from the environment
+    cfg = EngineArgs.from_cli_args(_parser().parse_args(["--worker-threads", "2", "--speculative-config", "none"]))
+    assert cfg.to_engine_config().parallel == ParallelConfig(step_timeout_s=45.0, worker_threads=2)
+    assert _parser().parse_args(["--step-timeout", "9"]).step_timeout_s == 9.0
+    for bad in ({"step_timeout_s": 0}, {"worker_threads": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ParallelConfig(**bad)
+    monkeypatch.delenv("SPECSERVE_STEP_TIMEOUT_S")
+    with LLM(speculative_config="none", step_timeout_s=7.0, worker_threads=2) as llm:
+        target = llm.engine.executor.target
+        assert target.law_store.timeout_s == 7.0 and target.config.num_threads == 2
+
+
 def test_builtin_pair_with_a_config_that_only_sets_k(tmp_path: Path) -> None:
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}) + "\n")

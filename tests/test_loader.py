@@ -13,9 +13,10 @@ from safetensors.torch import save_file
 from tests.helpers_models import make_tiny_checkpoint
 from workers.attention import DenseCausalContext
 from workers.distributed import TPGroup
-from workers.loader import iter_weights, load_model, load_tokenizer, safetensors_files
+from workers.loader import iter_weights, load_model, load_tokenizer
 from workers.model_config import ModelConfig
 from workers.models.registry import model_class_for, supported_architectures
+from workers.weight_files import safetensors_files
 
 IDS = torch.tensor([3, 14, 15, 9, 26, 53])
 

@@ -180,12 +180,10 @@ def test_tp2_workers_are_where_the_plan_says(engines: Engines) -> None:
 
 
 @pytest.mark.slow
-def test_tp4_pipelined_tree_with_a_tp2_draft(tp_models: TPModels, engines: Engines, in_process,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tp4_pipelined_tree_with_a_tp2_draft(tp_models: TPModels, engines: Engines, in_process) -> None:
     # The draft (its own 2 ranks) works on round r+1 while the target's 4 ranks verify round r: replies of both
-    # roles interleave. Settings in SPECSERVE_* variables reach the workers though Ray started before them.
-    monkeypatch.setenv("SPECSERVE_WORKER_THREADS", "2")
-    llm = engines.take("tp4-pipe-draft2", "tree", tensor_parallel_size=4,
+    # roles interleave. The thread count reaches every worker with its config.
+    llm = engines.take("tp4-pipe-draft2", "tree", tensor_parallel_size=4, worker_threads=2,
                        spec_extra={"pipeline": True, "pipeline_switch": False, "draft_tensor_parallel_size": 2})
     try:
         workers = llm.engine.executor.describe()

@@ -9,6 +9,8 @@ from engine.execution.recovery import Recovery
 
 
 class FakeExecutor:
+    step_timeout_s = 600.0  # recovery's limit for a replacement draft to start
+
     def __init__(self, in_flight: list[str], other_dies: bool = False) -> None:
         self.calls: list[str] = []
         self._in_flight = list(in_flight)

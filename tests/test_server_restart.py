@@ -236,6 +236,8 @@ def test_recovery_reports_the_role_it_restores() -> None:
     seen: list[tuple[str, ...]] = []
 
     class Executor:
+        step_timeout_s = 600.0
+
         def in_flight(self):
             return []
 

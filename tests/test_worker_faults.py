@@ -28,6 +28,8 @@ PARAMS = [GREEDY] * len(TP_PROMPTS) + [
     for i in range(len(TP_PROMPTS))]
 TREE = {"num_speculative_tokens": 3, "tree_branching": [2, 1, 1]}
 DETECT_S = 5.0  # a death must be noticed within this (Ray notices a killed process in well under a second)
+# A regression in death detection must fail fast, not wait out the default 10-minute step timeout.
+STEP_TIMEOUT_S = 30.0
 
 
 def speculative(models: TPModels) -> dict:
@@ -40,17 +42,11 @@ def speculative(models: TPModels) -> dict:
 def ray_cluster():
     import ray
 
-    import engine.execution.ray_executor
-
-    # A regression in death detection must fail fast, not wait out the default 10-minute step timeout.
-    timeout, engine.execution.ray_executor.STEP_TIMEOUT_S = engine.execution.ray_executor.STEP_TIMEOUT_S, 30.0
-
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
-    engine.execution.ray_executor.STEP_TIMEOUT_S = timeout
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +95,8 @@ def run_with_kills(llm: LLM, kills: list[tuple[int, str, int]], deadline_s: floa
 @pytest.mark.slow
 def test_dead_draft_on_zmq_is_noticed_in_seconds_and_the_error_names_it(ray_cluster, tp_models: TPModels) -> None:
     # No restarts allowed: the job stops, quickly, with an error naming the dead worker (it used to hang 10 min).
-    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, max_worker_restarts=0) as llm:
+    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S,
+             max_worker_restarts=0) as llm:
         engine = llm.engine
         for i, p in enumerate(TP_PROMPTS):
             engine.add_request(str(i), p, GREEDY)
@@ -119,7 +116,7 @@ def test_dead_draft_on_zmq_is_noticed_in_seconds_and_the_error_names_it(ray_clus
 @pytest.mark.slow
 def test_target_rank1_dies_on_zmq_every_request_completes_identically(ray_cluster, tp_models: TPModels,
                                                                         reference) -> None:
-    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2) as llm:
+    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S) as llm:
         old = {w["pid"] for w in llm.engine.executor.describe() if w["role"] == "target"}
         outputs, noticed = run_with_kills(llm, [(3, "target", 1)])
         stats = llm.engine.recovery.stats
@@ -138,7 +135,8 @@ def test_draft_dies_decoding_goes_on_without_speculation_then_resumes(ray_cluste
     # Greedy requests decode without speculation while the draft is replaced; seeded sampled ones wait for it
     # (their tokens depend on its proposals), so both come out as without the fault. One transport: what is
     # under test sits above it (a dead draft on zmq is noticed: the test above and the laws test below).
-    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, transport=transport) as llm:
+    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S,
+             transport=transport) as llm:
         engine = llm.engine
         reqs = [engine.add_request(str(i), p, sp) for i, (p, sp) in
                 enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True))]
@@ -185,11 +183,11 @@ def test_draft_dies_before_its_laws_reach_the_verifier(ray_cluster, tp_models: T
                                                        monkeypatch: pytest.MonkeyPatch, transport: str,
                                                        pipeline: bool) -> None:
     # The draft replies, then dies before its laws reach target rank 0 (injected: engine/execution/faults.py), so the
-    # verifier waits for laws that never come. It used to wait 10 minutes (here: the fixture's 30 s step timeout,
+    # verifier waits for laws that never come. It used to wait 10 minutes (here: the 30 s STEP_TIMEOUT_S,
     # then WorkerStuckError); now the controller notices the death while it waits for the target and ends it.
     monkeypatch.setenv("SPECSERVE_FAULT", "draft_dies_before_laws=3")
     with LLM(tp_models.target, {**speculative(tp_models), "pipeline": pipeline}, tensor_parallel_size=2,
-             transport=transport) as llm:
+             step_timeout_s=STEP_TIMEOUT_S, transport=transport) as llm:
         monkeypatch.delenv("SPECSERVE_FAULT")  # the replacement draft starts without the fault
         engine = llm.engine
         for i, (p, sp) in enumerate(zip(TP_PROMPTS + TP_PROMPTS, PARAMS, strict=True)):
@@ -265,7 +263,7 @@ for s in socks:
 
 @pytest.mark.slow
 def test_forged_frames_are_dropped(ray_cluster, tp_models: TPModels, reference) -> None:
-    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2) as llm:
+    with LLM(tp_models.target, speculative(tp_models), tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S) as llm:
         ex = llm.engine.executor
         addrs = [a for eps in ex.endpoints.values() for a in eps]
         assert len(addrs) == 5 and all(a.startswith("tcp://127.0.0.1:") for a in addrs)  # loopback only
@@ -319,6 +317,7 @@ def test_specserve_generate_survives_target_rank0_dying_twice_on_ray_transport(
     monkeypatch.setattr(LLMEngine, "step", step_and_kill)
     rc = cli.main(["generate", "--target", tp_models.target, "--speculative-config",
                    json.dumps(speculative(tp_models)), "--tensor-parallel-size", "2", "--transport", "ray",
+                   "--step-timeout", str(STEP_TIMEOUT_S),
                    "--input", str(src), "--output", str(dst), "--no-progress"])
     assert rc == 0
     got = [json.loads(x) for x in dst.read_text().splitlines()]

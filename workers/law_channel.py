@@ -16,18 +16,12 @@ sent once.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-# The last resort for a draft that is alive but never sends a tree's laws (stuck). A dead draft is noticed by the
-# controller within seconds, which then fails the wait (``LawStore.fail``): this timeout is never how a death is
-# found. The same knob as the controller's per-step limit (engine/execution/ray_executor.py).
-LAW_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
 
 def first_tree_id(generation: int) -> int:
@@ -132,7 +126,10 @@ class LawStore:
     finishes: at most a round's pre-drafted trees per sequence stay.
     """
 
-    timeout_s: float = LAW_TIMEOUT_S
+    # The last resort for a draft that is alive but never sends a tree's laws (stuck). A dead draft is noticed by
+    # the controller within seconds, which then fails the wait (``fail``): this timeout is never how a death is
+    # found. The target worker sets it to the controller's per-step limit (WorkerConfig.step_timeout_s).
+    timeout_s: float = 600.0
     _laws: dict[int, TreeLaws | DraftLaws] = field(default_factory=dict)
     _by_seq: dict[int, list[int]] = field(default_factory=dict)
     _finished: set[int] = field(default_factory=set)  # a late frame for these is dropped on arrival
@@ -177,7 +174,7 @@ class LawStore:
                     raise LawsUnavailable(
                         f"the draft's laws for tree {tree_id} (sequence {seq_id}) did not arrive within "
                         f"{self.timeout_s:g} s. A dead draft worker is noticed within seconds and ends this wait, "
-                        "so the draft is alive but stuck (SPECSERVE_STEP_TIMEOUT_S is this last-resort limit)")
+                        "so the draft is alive but stuck (step_timeout_s is this last-resort limit)")
                 self._cond.wait(min(left, 1.0))
             msg = self._laws[tree_id]
             older = [t for t in self._by_seq.get(seq_id, []) if t < tree_id]

@@ -1,61 +1,29 @@
 """Build a model from a local Hugging Face checkpoint directory or a GGUF file (workers/gguf_loader.py).
 
-Weights come from ``*.safetensors`` only (one file, or shards listed in ``model.safetensors.index.json``).
-They are handed to ``model.load_weights`` as lazy safetensors slices, so with tensor parallelism each rank
-reads just its own rows/columns from disk. Parameters are allocated directly on ``device`` in the target dtype
-and never randomly initialised.
+Weights come from ``*.safetensors`` only (workers/weight_files.py), handed to ``model.load_weights`` as lazy
+slices, so with tensor parallelism each rank reads just its own rows/columns from disk. Parameters are
+allocated directly on ``device`` in the target dtype and never randomly initialised.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from workers import gguf_loader
 from workers.distributed import TPGroup
-from workers.layers import WeightSource
+from workers.gguf_metadata import is_gguf
 from workers.model_config import ModelConfig, parse_dtype
 from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import model_class_for
+from workers.weight_files import iter_weights
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def safetensors_files(path: str) -> list[str]:
-    """The weight files of a checkpoint: the index's shards, else model.safetensors, else every *.safetensors."""
-    index = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-        files = [SINGLE_FILE]
-    else:
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r} (PyTorch .bin checkpoints are not "
-                                "supported; convert them with save_pretrained(..., safe_serialization=True))")
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    if missing:
-        raise FileNotFoundError(f"{path!r}: weight shards listed in {INDEX_FILE} are missing: {missing}")
-    return [os.path.join(path, f) for f in files]
-
-
-def iter_weights(path: str) -> Iterator[tuple[str, WeightSource]]:
-    """(HF name, lazy slice) for every tensor; a slice is only valid until the next item is requested."""
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_slice(name)
 
 
 def checkpoint_dtype(path: str) -> torch.dtype:
@@ -79,7 +47,7 @@ def resolve_quantization(path: str | os.PathLike[str], quantization: str | None)
     """"gguf" (Q4 weights stay packed) or "none"; None picks "gguf" for a block-quantized GGUF file."""
     if quantization is not None and quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {quantization!r}")
-    gguf = gguf_loader.is_gguf(path)
+    gguf = is_gguf(path)
     if quantization == "gguf" and not gguf:
         raise ValueError(f"quantization 'gguf' needs a *.gguf model file, got {os.fspath(path)!r}")
     if quantization is None:
@@ -106,7 +74,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     if config is None:
         config = ModelConfig.from_pretrained(path)  # clear errors for a missing dir / config.json
     quantization = resolve_quantization(path, quantization)
-    gguf = gguf_loader.is_gguf(path)
+    gguf = is_gguf(path)
     config = replace(config, dtype=dtype or (torch.float32 if gguf else checkpoint_dtype(path)))
     cls = model_class_for(config)
     with torch.device(device):
@@ -134,7 +102,7 @@ def is_deepseek_v4(path: str) -> bool:
 
 
 def has_tokenizer(path: str | os.PathLike[str]) -> bool:
-    if gguf_loader.is_gguf(path):
+    if is_gguf(path):
         return gguf_loader.has_gguf_tokenizer(path)
     return any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES)
 
@@ -142,7 +110,7 @@ def has_tokenizer(path: str | os.PathLike[str]) -> bool:
 def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's tokenizer (transformers AutoTokenizer, local files only), or None when it has none."""
     path = os.fspath(path)
-    if gguf_loader.is_gguf(path):
+    if is_gguf(path):
         return gguf_loader.load_gguf_tokenizer(path) if gguf_loader.has_gguf_tokenizer(path) else None
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist")

@@ -136,9 +136,9 @@ class ModelConfig:
     def from_pretrained(path: str | os.PathLike[str]) -> ModelConfig:
         path = os.fspath(path)
         if path.endswith(".gguf") and os.path.isfile(path):
-            from workers.gguf_loader import gguf_model_config  # imports this module: only when needed
+            from workers.gguf_metadata import gguf_model_fields  # the gguf package: only when needed
 
-            return gguf_model_config(path)
+            return ModelConfig(**gguf_model_fields(path))
         if not os.path.isdir(path):
             raise FileNotFoundError(f"model directory {path!r} does not exist (only local directories and "
                                     "*.gguf files are supported; download the checkpoint first)")

@@ -41,7 +41,8 @@ def _commit(s: VerifySeq, accepted: list[int]) -> CommitSpec:
 class TargetWorker(WorkerBase):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.law_store = LawStore()  # filled by the draft (in-process) or by the law receiver thread (Ray)
+        # Filled by the draft (in-process) or by the law receiver thread (Ray).
+        self.law_store = LawStore(timeout_s=self.config.step_timeout_s)
 
     @property
     def vocab_size(self) -> int:

@@ -21,7 +21,13 @@ class WorkerConfig:
     # ModelConfig.to_dict() of ``model`` as the controller read it (None: the worker reads it, importing
     # transformers); JSON-safe, as the draft process's start line carries it.
     model_config: dict | None = None
+    # The target's last-resort wait for a live draft's laws (the executor sets it from ParallelConfig).
+    step_timeout_s: float = 600.0
+    num_threads: int = 1  # torch CPU threads in this worker's process
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {self.num_blocks}, {self.block_size}")
+        if not self.step_timeout_s > 0 or self.num_threads < 1:
+            raise ValueError(f"step_timeout_s must be > 0 and num_threads >= 1, got {self.step_timeout_s}, "
+                             f"{self.num_threads}")

@@ -8,6 +8,7 @@ the validated configs (and picks the built-in model pair when no target is given
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -28,12 +29,13 @@ _NO_SPECULATION = ("none", "null", "")
 
 
 def _arg(default: Any, help: str, *, type: Any = str, choices: tuple[str, ...] | None = None,
-         flags: tuple[str, ...] = (), metavar: str | None = None) -> Any:
-    """A field with its CLI spelling: ``flags`` (default ``--field-name``), ``type`` and ``choices``."""
+         flags: tuple[str, ...] = (), metavar: str | None = None, env: str | None = None) -> Any:
+    """A field with its CLI spelling: ``flags`` (default ``--field-name``), ``type`` and ``choices``; ``env``: an
+    environment variable that sets the flag's default (read by the CLI only, when it builds its parser)."""
     if metavar is None and choices is None:
         metavar = {int: "N", float: "SECONDS"}.get(type)
     return field(default=default, metadata={"help": help, "type": type, "choices": choices, "flags": flags,
-                                            "metavar": metavar})
+                                            "metavar": metavar, "env": env})
 
 
 @dataclass
@@ -80,6 +82,15 @@ class EngineArgs:
                                     "their requests re-prefilled, up to this many times per "
                                     f"{ParallelConfig.worker_restart_window_s:g} s; then the engine stops naming "
                                     "every failure (0: never restart)", type=int)
+    step_timeout_s: float = _arg(ParallelConfig.step_timeout_s, "the last resort for a worker that is alive but "
+                                 "does not answer one step (WorkerStuckError; a dead one is noticed within about a "
+                                 "second); also how long the verifier waits for a live draft's laws and a "
+                                 "replacement draft may take to start. Raise it for huge prefills or slow loads",
+                                 type=float, flags=("--step-timeout", "--step-timeout-s"),
+                                 env="SPECSERVE_STEP_TIMEOUT_S")
+    worker_threads: int = _arg(ParallelConfig.worker_threads, "torch CPU threads per worker process (a draft "
+                               "process pinned to draft_cores uses one per core)", type=int,
+                               env="SPECSERVE_WORKER_THREADS")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -87,9 +98,11 @@ class EngineArgs:
         for f in fields(EngineArgs):
             m = f.metadata
             flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
+            env = m["env"]
+            default = m["type"](os.environ[env]) if env is not None and os.environ.get(env) else f.default
             parser.add_argument(*flags, dest=f.name, type=m["type"], choices=m["choices"], metavar=m["metavar"],
-                                default=f.default,
-                                help=m["help"] + ("" if f.default is None else " (default: %(default)s)"))
+                                default=default, help=m["help"] + ("" if default is None else " (default: "
+                                "%(default)s" + (f"; ${env}" if env is not None else "") + ")"))
         return parser
 
     @classmethod
@@ -124,4 +137,5 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, address=self.address,
                                     backend=self.distributed_executor_backend, transport=self.transport,
                                     placement_timeout_s=self.placement_timeout_s,
-                                    max_worker_restarts=self.max_worker_restarts))
+                                    max_worker_restarts=self.max_worker_restarts,
+                                    step_timeout_s=self.step_timeout_s, worker_threads=self.worker_threads))

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
 from workers.loader import QUANTIZATION_CHOICES
+from workers.worker_config import WorkerConfig
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[1] / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
@@ -291,8 +292,17 @@ class ParallelConfig:
     # (engine/execution/recovery.py); 0: never.
     max_worker_restarts: int = 3
     worker_restart_window_s: float = 600.0
+    # The last resort for a worker that is alive but does not answer one step (a dead one is noticed within about
+    # a second); also how long the verifier waits for a live draft's laws and a replacement draft may take to start.
+    step_timeout_s: float = 600.0
+    worker_threads: int = 1  # torch CPU threads per worker process (a draft process pinned to cores: one per core)
 
     def __post_init__(self) -> None:
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
+        t = self.worker_threads
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ValueError(f"worker_threads must be an integer >= 1, got {t!r}")
         r = self.max_worker_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"max_worker_restarts must be an integer >= 0, got {r!r}")
@@ -319,6 +329,10 @@ class ParallelConfig:
             return self.backend
         wants_ray = self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1 or self.address
         return "ray" if wants_ray else "uni"
+
+    def for_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """``config`` carrying this config's share for a worker: its step timeout and torch thread count."""
+        return replace(config, step_timeout_s=self.step_timeout_s, num_threads=self.worker_threads)
 
 
 @dataclass

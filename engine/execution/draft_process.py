@@ -39,12 +39,12 @@ from engine.execution import codec
 from engine.execution.faults import WorkerDiedError, WorkerStuckError
 from engine.execution.frames import FrameAuth, new_secret
 from engine.execution.liveness import POLL_S
+from engine.execution.role import Role
 from engine.execution.worker_actor import OP_STEP, OP_STOP, WorkerProcess
 from workers.law_channel import LawStore, first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
-STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 START_TIMEOUT_S = 300.0  # loading the draft under load
 
 
@@ -79,6 +79,7 @@ class DraftProcessExecutor:
         dcores = check_cores(draft_cores, "draft_cores")
         self._tcores = check_cores(target_cores, "target_cores")
         self._draft, self._dcores = draft, sorted(dcores) if dcores is not None else None
+        self.step_timeout_s = target.step_timeout_s  # make_executor sets both roles' from ParallelConfig
         self._proc: subprocess.Popen | None = None
         self._gen = 0  # how many draft processes were started
         self._push = self._reply = None
@@ -91,13 +92,13 @@ class DraftProcessExecutor:
             self._auth = FrameAuth(self._secret, "controller")
             # The verifier's law receiver: the host a Ray actor would be, minus Ray (loopback, signed frames).
             # It outlives the draft processes: each new one pushes its laws to the same address.
-            self._host = WorkerProcess("target", target, 0, 1, self._secret)
+            self._host = WorkerProcess(Role.TARGET, target, 0, 1, self._secret)
             self._host.worker = self.target
             self._laws = self._host.serve_laws(True)
             self._reply = zmq.Context.instance().socket(zmq.PULL)
             self._reply_addr = f"tcp://127.0.0.1:{self._reply.bind_to_random_port('tcp://127.0.0.1')}"
             self._spawn()
-            self.finish_restart("draft", block=True)
+            self.finish_restart(Role.DRAFT, block=True)
         except BaseException:
             self.shutdown()
             raise
@@ -115,7 +116,7 @@ class DraftProcessExecutor:
                                         daemon=True)
         self._reader.start()
         self._proc, self._started = proc, time.monotonic()
-        self.endpoints = {"draft": [], "controller": [self._reply_addr], "laws": [self._laws]}  # diagnostics
+        self.endpoints = {Role.DRAFT: [], "controller": [self._reply_addr], "laws": [self._laws]}  # diagnostics
         with contextlib.suppress(BrokenPipeError):  # it died at once: finish_restart says so
             proc.stdin.write(json.dumps({
                 "config": dataclasses.asdict(self._draft), "secret": self._secret.hex(),
@@ -136,7 +137,7 @@ class DraftProcessExecutor:
             store.fail(f"the draft process exited (code {code})", first_tree_id(gen + 1))
 
     def _died(self, what: str, waited_s: float | None = None) -> WorkerDiedError:
-        return WorkerDiedError("draft", 0, f"the draft process exited{what} (code {self._proc.poll()})", waited_s)
+        return WorkerDiedError(Role.DRAFT, 0, f"the draft process exited{what} (code {self._proc.poll()})", waited_s)
 
     # --------------------------------------------------------------------------------------------- hot path
     def submit_draft(self, msg: DraftStep) -> None:
@@ -164,8 +165,8 @@ class DraftProcessExecutor:
             waited = time.monotonic() - start
             if self._proc.poll() is not None:
                 raise self._died("", waited)
-            if waited > STEP_TIMEOUT_S:
-                raise WorkerStuckError("draft", STEP_TIMEOUT_S)
+            if waited > self.step_timeout_s:
+                raise WorkerStuckError(Role.DRAFT, self.step_timeout_s)
 
     def submit_target(self, msg: TargetStep) -> None:
         # Runs in wait_target, on the caller's thread (its cores), while the draft process works on its own.
@@ -208,31 +209,31 @@ class DraftProcessExecutor:
                 "target_cores": sorted(self._tcores) if self._tcores is not None else None}
 
     # --------------------------------------------------------------------------------------------- recovery
-    def in_flight(self) -> list[str]:
-        return (["draft"] if self._in_flight else []) + (["target"] if self._target_msg is not None else [])
+    def in_flight(self) -> list[Role]:
+        return ([Role.DRAFT] if self._in_flight else []) + ([Role.TARGET] if self._target_msg is not None else [])
 
-    def discard_in_flight(self, role: str) -> None:
+    def discard_in_flight(self, role: Role) -> None:
         """Forget a call that will never be answered (its worker died): nothing is waited for."""
-        if role == "draft":
+        if role == Role.DRAFT:
             self._in_flight = False
         else:
             self._target_msg = None
 
-    def begin_restart(self, role: str) -> None:
+    def begin_restart(self, role: Role) -> None:
         """Replace the draft process: kill the old one if it is still there, start a new one, do not wait."""
-        if role != "draft":
+        if role != Role.DRAFT:
             raise RuntimeError(f"the {role} runs in the engine's own process (draft_process): it cannot be "
                                "restarted apart from the engine")
-        self.discard_in_flight("draft")
+        self.discard_in_flight(Role.DRAFT)
         self._stop_child(graceful=False)
         self._spawn()
 
-    def finish_restart(self, role: str, block: bool) -> bool:
+    def finish_restart(self, role: Role, block: bool) -> bool:
         """True once the new draft process has said where it serves and is connected (``block``: wait for it).
         Raises WorkerDiedError if it exits while starting, WorkerStuckError if it is not up in START_TIMEOUT_S."""
         import zmq
 
-        if self._push is not None or role != "draft":  # the target is never restarting (``begin_restart``)
+        if self._push is not None or role != Role.DRAFT:  # the target is never restarting (``begin_restart``)
             return True
         while self._reader.is_alive():  # ends with the line, or at EOF when the child exits
             if self._proc.poll() is not None:
@@ -240,7 +241,7 @@ class DraftProcessExecutor:
             if not block:
                 return False
             if time.monotonic() - self._started > START_TIMEOUT_S:
-                raise WorkerStuckError("draft", START_TIMEOUT_S)
+                raise WorkerStuckError(Role.DRAFT, START_TIMEOUT_S)
             self._reader.join(POLL_S)
         line = self._line[0] if self._line else ""
         if not line.strip():  # EOF before the line: it is exiting
@@ -250,7 +251,7 @@ class DraftProcessExecutor:
         endpoint = json.loads(line)["endpoint"]
         self._push = zmq.Context.instance().socket(zmq.PUSH)
         self._push.connect(endpoint)
-        self.endpoints["draft"] = [endpoint]
+        self.endpoints[Role.DRAFT] = [endpoint]
         return True
 
     # --------------------------------------------------------------------------------------------- shutdown
@@ -301,11 +302,10 @@ def _main() -> None:
     cores = start["cores"]
     if cores is not None:
         os.sched_setaffinity(0, set(cores))
-    # WorkerProcess.setup reads the thread count from here: one torch thread per core of its own.
-    os.environ["SPECSERVE_WORKER_THREADS"] = str(len(cores) if cores else
-                                                 os.environ.get("SPECSERVE_WORKER_THREADS", "1"))
     config = WorkerConfig(**start["config"])
-    host = WorkerProcess("draft", config, 0, 1, bytes.fromhex(start["secret"]))
+    if cores:  # one torch thread per core of its own
+        config = dataclasses.replace(config, num_threads=len(cores))
+    host = WorkerProcess(Role.DRAFT, config, 0, 1, bytes.fromhex(start["secret"]))
     host.setup("127.0.0.1", 0, use_gpu=config.device.startswith("cuda"))  # the same GPU as the target (cuda:0)
     host.connect_laws(start["laws"], start["first_tree_id"])  # its generation's tree ids: see the executor
     endpoint = host.serve(start["controller"], True, start["tag"].encode())

@@ -75,6 +75,9 @@ class LocalExecutor:
 def make_executor(parallel: ParallelConfig, target: WorkerConfig, draft: WorkerConfig | None,
                   draft_process: bool = False, draft_cores: list[int] | None = None,
                   target_cores: list[int] | None = None) -> Executor:
+    # The workers' share of the parallel config: they receive only their own WorkerConfig.
+    target = parallel.for_worker(target)
+    draft = parallel.for_worker(draft) if draft is not None else None
     if parallel.resolved_backend == "uni":
         if draft is not None and draft_process:
             from engine.execution.draft_process import DraftProcessExecutor

@@ -44,7 +44,7 @@ class WorkerStuckError(TimeoutError):
         self.role = role
         self.timeout_s = timeout_s
         super().__init__(f"no reply from the {role} workers within {timeout_s:g} s, although every {role} worker "
-                         "is still alive: a stuck worker (SPECSERVE_STEP_TIMEOUT_S is the last-resort limit)")
+                         "is still alive: a stuck worker (--step-timeout is the last-resort limit)")
 
 
 class TooManyRestartsError(RuntimeError):

@@ -11,21 +11,22 @@ from __future__ import annotations
 from typing import Any
 
 from engine.execution.faults import WorkerDiedError
+from engine.execution.role import Role
 
 POLL_S = 0.25  # how often a wait asks; a death is noticed within this plus Ray's own notice (~1 s)
 
 
 class LivenessWatch:
     def __init__(self) -> None:
-        self._watches: dict[str, list[Any]] = {}  # role -> one watch() reference per rank, in rank order
+        self._watches: dict[Role, list[Any]] = {}  # role -> one watch() reference per rank, in rank order
 
-    def watch(self, role: str, actors: list[Any]) -> None:
+    def watch(self, role: Role, actors: list[Any]) -> None:
         self._watches[role] = [a.watch.remote() for a in actors]
 
-    def forget(self, role: str) -> None:
+    def forget(self, role: Role) -> None:
         self._watches.pop(role, None)
 
-    def check(self, role: str, waited_s: float | None = None) -> None:
+    def check(self, role: Role, waited_s: float | None = None) -> None:
         """Raise WorkerDiedError if any rank of ``role`` is gone."""
         import ray
 

@@ -7,7 +7,9 @@ the cluster has GPUs, a CPU otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from engine.execution.role import Role
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,13 @@ class PlacementPlan:
     @property
     def total(self) -> int:
         return len(self.target_bundles) + len(self.draft_bundles)
+
+    def bundles(self, role: Role) -> list[dict[str, float]]:
+        return self.target_bundles if role == Role.TARGET else self.draft_bundles
+
+    def only(self, role: Role) -> PlacementPlan:
+        """This plan without the other role's bundles: what restarting ``role`` alone needs."""
+        return replace(self, **{"draft_bundles" if role == Role.TARGET else "target_bundles": []})
 
     def describe(self) -> str:
         parts = [f"{len(self.target_bundles)} x {{{self.resource}: 1}} on one node for the target "

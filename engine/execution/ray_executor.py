@@ -8,23 +8,24 @@ sends and receives ints only.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
 
 from engine.core.config import ParallelConfig
 from engine.execution import codec
+from engine.execution.code_check import check_worker_code
 from engine.execution.faults import WorkerDiedError, WorkerStuckError
 from engine.execution.frames import FrameAuth, new_secret
 from engine.execution.liveness import POLL_S, LivenessWatch, died_because
-from engine.execution.placement import PlacementPlan, missing_resources, plan_placement
-from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, code_root, node_ip
+from engine.execution.placement import PlacementPlan, plan_placement
+from engine.execution.ray_cluster import PlacementGroups, init_ray
+from engine.execution.role import Role
+from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
 from workers.law_channel import first_tree_id
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
-STEP_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 ERROR_GRACE_S = 2.0  # after a worker's error, how long to look for a dead rank behind it
 
 
@@ -33,38 +34,43 @@ class RayExecutor:
         import ray
 
         self.parallel = parallel
+        self.step_timeout_s = parallel.step_timeout_s
+        target = parallel.for_worker(target)  # also when built directly, not through make_executor
+        draft = parallel.for_worker(draft) if draft is not None else None
         self._started_ray = False
-        self._groups: dict[str, Any] = {}  # role -> placement group
+        self._groups = PlacementGroups(parallel.placement_timeout_s)
         self._configs: dict[str, WorkerConfig] = {}
-        self._actors: dict[str, list[Any]] = {"target": [], "draft": []}
-        self._generation: dict[str, int] = {}  # role -> how many times its group was started
-        self._starting: dict[str, list[Any]] = {}  # role -> setup references of a group being restarted
+        self._actors: dict[Role, list[Any]] = {Role.TARGET: [], Role.DRAFT: []}
+        self._generation: dict[Role, int] = {}  # role -> how many times its group was started
+        self._starting: dict[Role, list[Any]] = {}  # role -> setup references of a group being restarted
         self._liveness = LivenessWatch()
         self._secret = new_secret()  # signs every zmq frame; reaches the actors with their constructor
         self._auth = FrameAuth(self._secret, "controller")
-        self._zmq: dict[str, list[Any]] = {}
+        self._zmq: dict[Role, list[Any]] = {}
         self._reply = None
         self._reply_addrs: dict[bool, str] = {}  # loopback? -> address of the reply socket
         self.endpoints: dict[str, list[str]] = {}  # role -> the workers' zmq addresses (diagnostics, tests)
-        self._in_flight: dict[str, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
-        self._replies: dict[str, Any] = {}  # zmq replies that arrived while waiting for the other role
+        self._in_flight: dict[Role, Any] = {}  # role -> Ray refs (ray transport) or None (zmq)
+        self._replies: dict[Role, Any] = {}  # zmq replies that arrived while waiting for the other role
         # The draft's death, noticed while waiting for the target: the verifier was told its pending laws will
         # not come (``_watch_law_sender``), and the target's reply says whether it needed them.
         self._law_sender_died: WorkerDiedError | None = None
         try:
             if not ray.is_initialized():
-                self._init_ray(parallel, draft is not None)
+                init_ray(parallel, draft is not None)
+                self._started_ray = True
             plan = plan_placement(parallel.tensor_parallel_size, parallel.draft_tensor_parallel_size,
                                   draft is not None, ray.cluster_resources().get("GPU", 0.0))
             self.plan = plan
-            roles = {"target": (target, plan.target_bundles, "STRICT_PACK")}
+            roles = {Role.TARGET: (target, plan.target_bundles, "STRICT_PACK")}
             if draft is not None:
                 # The draft's own ranks (if any) need a fast link among themselves too; the draft as a whole
                 # may still sit on another node than the target.
-                roles["draft"] = (draft, plan.draft_bundles, "STRICT_PACK")
+                roles[Role.DRAFT] = (draft, plan.draft_bundles, "STRICT_PACK")
             # Every bundle is reserved before any worker starts, so a plan the cluster cannot hold fails
             # within placement_timeout_s without loading a model first; then both roles start side by side.
-            groups = self._reserve(plan, {role: (bundles, strategy) for role, (_, bundles, strategy) in roles.items()})
+            groups = self._groups.reserve(plan, {role: (bundles, strategy)
+                                                 for role, (_, bundles, strategy) in roles.items()})
             for (role, (config, _, _)), pg in zip(roles.items(), groups, strict=True):
                 self._configs[role] = config
                 self._create_actors(role, config, pg, plan)
@@ -78,44 +84,12 @@ class RayExecutor:
             raise
 
     # ------------------------------------------------------------------------------------------- start-up
-    def _init_ray(self, parallel: ParallelConfig, has_draft: bool) -> None:
-        import ray
-
-        if parallel.address:
-            ray.init(address=parallel.address, log_to_driver=False)
-        else:
-            # A local cluster must offer one CPU bundle per worker even on a 2-core machine: bundles are
-            # reservations, and these workers mostly wait on each other. address="local": without it,
-            # ray.init joins any cluster `ray start` left on this machine (and refuses num_cpus there).
-            bundles = parallel.tensor_parallel_size + (parallel.draft_tensor_parallel_size if has_draft else 0)
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        self._started_ray = True
-
-    def _reserve(self, plan: PlacementPlan, specs: dict[str, tuple[list[dict[str, float]], str]]) -> list[Any]:
-        """One placement group per role (target first: its STRICT_PACK group is the harder one to place)."""
-        import ray
-        from ray.util.placement_group import placement_group
-
-        groups = []
-        for role, (bundles, strategy) in specs.items():
-            pg = placement_group(bundles, strategy=strategy)
-            self._groups[role] = pg
-            groups.append(pg)
-        timeout = self.parallel.placement_timeout_s
-        try:
-            ray.get([pg.ready() for pg in groups], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            self._remove_groups(list(specs))
-            raise RuntimeError(_placement_error(plan, timeout)) from None
-        return groups
-
-    def _create_actors(self, role: str, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
+    def _create_actors(self, role: Role, config: WorkerConfig, pg: Any, plan: PlacementPlan) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = ray.remote(WorkerProcess)
-        size = len(plan.target_bundles if role == "target" else plan.draft_bundles)
+        size = len(plan.bundles(role))
         self._generation[role] = self._generation.get(role, 0) + 1
         # The workers inherit the environment of the node's raylet, not ours: forward our settings.
         env = {k: v for k, v in os.environ.items() if k.startswith("SPECSERVE_")}
@@ -131,41 +105,18 @@ class RayExecutor:
     def _setup_actors(self, plan: PlacementPlan) -> None:
         """Each role's ranks join their own process group (rank 0's address) and load their shards."""
         roles = [role for role, actors in self._actors.items() if actors]
-        self._check_code(roles)
+        check_worker_code(self._actors, roles)
         setups = {role: self._begin_setup(role, plan) for role in roles}
         for role, refs in setups.items():
             self._finish_setup(role, refs)
 
-    def _check_code(self, roles: list[str]) -> None:
-        """Workers on the controller's machine must run the controller's copy of the code: Ray puts the driver's
-        working directory first on a worker's sys.path, so ``specserve`` (the installed package) started inside a
-        checkout of another version would pair this controller with that checkout's workers, silently (messages
-        still decode; drafts and commits may not mean the same thing on both sides)."""
-        import ray
-
-        here, mine = ray.get_runtime_context().get_node_id(), code_root()
-        hint = "Ray puts the working directory first on its workers' path"
-        for role in roles:
-            try:
-                where = ray.get([a.code.remote() for a in self._actors[role]])
-            except Exception as e:  # a worker of another version may lack ``code``
-                raise RuntimeError(f"the {role} workers could not say where they import specserve from "
-                                   f"({type(e).__name__}): they probably run another copy than this controller "
-                                   f"({mine}); run from {mine} ({hint})") from None
-            for rank, (node, theirs) in enumerate(where):
-                if node == here and theirs != mine:
-                    raise RuntimeError(
-                        f"the {role} worker rank {rank} imports specserve from {theirs}, this controller from {mine}: "
-                        f"run from {mine} ({hint}), or set "
-                        f"PYTHONPATH={theirs} and run `python -m engine.cli` so both use that copy")
-
-    def _begin_setup(self, role: str, plan: PlacementPlan) -> list[Any]:
+    def _begin_setup(self, role: Role, plan: PlacementPlan) -> list[Any]:
         import ray
 
         addr, port = ray.get(self._actors[role][0].address.remote())
         return [a.setup.remote(addr, port, plan.use_gpu) for a in self._actors[role]]
 
-    def _finish_setup(self, role: str, refs: list[Any]) -> None:
+    def _finish_setup(self, role: Role, refs: list[Any]) -> None:
         import ray
 
         try:
@@ -178,13 +129,13 @@ class RayExecutor:
         whenever either side was replaced."""
         import ray
 
-        target, draft = self._actors["target"][0], self._actors["draft"][0]
+        target, draft = self._actors[Role.TARGET][0], self._actors[Role.DRAFT][0]
         nodes = {w["node_id"] for w in ray.get([target.describe.remote(), draft.describe.remote()])}
         address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
-        ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation["draft"])))
+        ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation[Role.DRAFT])))
         self.endpoints["laws"] = [address]
 
-    def _connect(self, role: str) -> None:
+    def _connect(self, role: Role) -> None:
         """Watch the role's ranks; on the zmq transport, have them serve and connect to them."""
         import ray
         import zmq
@@ -213,11 +164,11 @@ class RayExecutor:
         self._zmq[role] = pushes
         self.endpoints[role] = endpoints
 
-    def _tag(self, role: str) -> bytes:
+    def _tag(self, role: Role) -> bytes:
         return f"{role}/{self._generation[role]}".encode()
 
     # ------------------------------------------------------------------------------------------- the hot path
-    def _submit(self, role: str, payload: bytes, op: bytes = OP_STEP) -> None:
+    def _submit(self, role: Role, payload: bytes, op: bytes = OP_STEP) -> None:
         if role in self._in_flight:
             raise RuntimeError(f"a {role} call is already in flight")
         if self.parallel.transport == "zmq":
@@ -229,7 +180,7 @@ class RayExecutor:
             method = "execute" if op == OP_STEP else "echo"
             self._in_flight[role] = [getattr(a, method).remote(payload) for a in self._actors[role]]
 
-    def _wait(self, role: str) -> Any:
+    def _wait(self, role: Role) -> Any:
         if role not in self._in_flight:
             raise RuntimeError(f"no {role} call in flight")
         refs = self._in_flight.pop(role)
@@ -239,7 +190,7 @@ class RayExecutor:
 
         # Short waits, asking between them whether every rank is alive: a dead rank 1 must not leave us
         # waiting on rank 0, blocked in a collective with it.
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+        deadline = time.monotonic() + self.step_timeout_s
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
@@ -248,19 +199,19 @@ class RayExecutor:
                     ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError:
                     raise WorkerDiedError(role, refs.index(ref), died_because(ref),
-                                          STEP_TIMEOUT_S - (deadline - time.monotonic())) from None
-            self._liveness.check(role, STEP_TIMEOUT_S - (deadline - time.monotonic()))
-            if role == "target":
-                self._watch_law_sender(STEP_TIMEOUT_S - (deadline - time.monotonic()))
+                                          self.step_timeout_s - (deadline - time.monotonic())) from None
+            self._liveness.check(role, self.step_timeout_s - (deadline - time.monotonic()))
+            if role == Role.TARGET:
+                self._watch_law_sender(self.step_timeout_s - (deadline - time.monotonic()))
             if pending and time.monotonic() > deadline:
-                raise WorkerStuckError(role, STEP_TIMEOUT_S)
+                raise WorkerStuckError(role, self.step_timeout_s)
         decoded = [codec.decode(r) for r in ray.get(refs)]
         for r in decoded:
             if r.error is not None:
                 self._worker_failed(role, r.error)
         return decoded[0].result
 
-    def _await_zmq(self, role: str) -> Any:
+    def _await_zmq(self, role: Role) -> Any:
         """Rank 0's reply for ``role``; replies for the other role that arrive meanwhile are kept."""
         import zmq
 
@@ -284,13 +235,13 @@ class RayExecutor:
             now = time.monotonic()
             if now >= next_check:  # also while the other role's replies keep arriving
                 self._liveness.check(role, now - start)
-                if role == "target":
+                if role == Role.TARGET:
                     self._watch_law_sender(now - start)
                 next_check = now + POLL_S
-                if now - start > STEP_TIMEOUT_S:
-                    raise WorkerStuckError(role, STEP_TIMEOUT_S)
+                if now - start > self.step_timeout_s:
+                    raise WorkerStuckError(role, self.step_timeout_s)
 
-    def _worker_failed(self, role: str, error: str) -> None:
+    def _worker_failed(self, role: Role, error: str) -> None:
         """Raise a rank's error, unless it is the echo of another rank's death (a collective whose peer vanished
         fails at once, before Ray reports the death): then the death, which recovery can act on."""
         deadline = time.monotonic() + ERROR_GRACE_S
@@ -304,32 +255,32 @@ class RayExecutor:
         """While the target verifies, the draft's laws may still be on their way to it: if the draft died, tell
         the verifier now (a Ray call, whatever the transport: the actor serves it on another thread) that the
         trees its generation numbered will not come, so it stops waiting and answers at once."""
-        if self._law_sender_died is not None or not self._actors["draft"]:
+        if self._law_sender_died is not None or not self._actors[Role.DRAFT]:
             return
         try:
-            self._liveness.check("draft", waited_s)
+            self._liveness.check(Role.DRAFT, waited_s)
         except WorkerDiedError as e:
             self._law_sender_died = e
             # Every tree this generation (or an older one) numbered: below the next generation's first id.
-            self._actors["target"][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
-                                                       first_tree_id(self._generation["draft"] + 1))
+            self._actors[Role.TARGET][0].fail_laws.remote(f"the draft worker that drew them died ({e})",
+                                                       first_tree_id(self._generation[Role.DRAFT] + 1))
 
     def submit_draft(self, msg: DraftStep) -> None:
-        self._submit("draft", codec.encode(msg))
+        self._submit(Role.DRAFT, codec.encode(msg))
 
     def wait_draft(self) -> DraftStepOutput:
-        return self._wait("draft")
+        return self._wait(Role.DRAFT)
 
     def submit_target(self, msg: TargetStep) -> None:
-        self._submit("target", codec.encode(msg))
+        self._submit(Role.TARGET, codec.encode(msg))
 
     def wait_target(self) -> TargetStepOutput:
-        out: TargetStepOutput = self._wait("target")
+        out: TargetStepOutput = self._wait(Role.TARGET)
         if out.laws_error is not None:  # the step verified nothing: abandoned, like any step a worker died in
             died = self._law_sender_died
             if died is None:  # told by nobody: the verifier's last-resort timeout, or a death seen just now
                 try:
-                    self._liveness.check("draft")
+                    self._liveness.check(Role.DRAFT)
                 except WorkerDiedError as e:
                     died = e
             if died is None:
@@ -339,35 +290,34 @@ class RayExecutor:
         return out
 
     # ------------------------------------------------------------------------------------------- recovery
-    def discard_in_flight(self, role: str) -> None:
+    def discard_in_flight(self, role: Role) -> None:
         """Forget a call to ``role`` that will never be answered (its worker died): nothing is waited for."""
         self._in_flight.pop(role, None)
         self._replies.pop(role, None)
 
-    def in_flight(self) -> list[str]:
+    def in_flight(self) -> list[Role]:
         return list(self._in_flight)
 
-    def begin_restart(self, role: str) -> None:
+    def begin_restart(self, role: Role) -> None:
         """Replace every rank of ``role`` (engine/execution/recovery.py): kill the old actors, place a fresh group and
         start new ones, which load their shards and form a new torch.distributed group in the background.
         The placement group is re-created, so a rank whose node is gone lands wherever the cluster has room."""
         self.discard_in_flight(role)
-        if role == "draft":
+        if role == Role.DRAFT:
             self._law_sender_died = None  # the next generation's trees can arrive again
         self._close_role(role)
         self._kill_role(role)
-        self._remove_groups([role])
-        bundles = self.plan.target_bundles if role == "target" else self.plan.draft_bundles
+        self._groups.remove([role])
         # What the cluster lacks is judged for this role alone: the other role keeps its bundles.
-        alone = dataclasses.replace(self.plan, **{"draft_bundles" if role == "target" else "target_bundles": []})
         try:
-            (pg,) = self._reserve(alone, {role: (bundles, "STRICT_PACK")})
+            (pg,) = self._groups.reserve(self.plan.only(role),
+                                         {role: (self.plan.bundles(role), "STRICT_PACK")})
         except RuntimeError as e:
             raise RuntimeError(f"restarting the {role} workers: {e}") from None
         self._create_actors(role, self._configs[role], pg, self.plan)
         self._starting[role] = self._begin_setup(role, self.plan)
 
-    def finish_restart(self, role: str, block: bool) -> bool:
+    def finish_restart(self, role: Role, block: bool) -> bool:
         """True once the restarted ``role`` is ready for calls (``block``: wait for it)."""
         import ray
 
@@ -381,7 +331,7 @@ class RayExecutor:
         del self._starting[role]
         self._finish_setup(role, refs)
         self._connect(role)
-        if self._actors["draft"] and self._actors["target"] and not self._starting:
+        if self._actors[Role.DRAFT] and self._actors[Role.TARGET] and not self._starting:
             self._connect_laws()
         return True
 
@@ -391,7 +341,7 @@ class RayExecutor:
 
         return ray.get([a.describe.remote() for actors in self._actors.values() for a in actors])
 
-    def echo(self, role: str, msg: Any) -> Any:
+    def echo(self, role: Role, msg: Any) -> Any:
         """Round trip through the transport without running a model (overhead benchmark)."""
         self._submit(role, codec.encode(msg), OP_ECHO)
         return self._wait(role)
@@ -408,12 +358,12 @@ class RayExecutor:
         self._reply_addrs = {}
         for role in list(self._actors):
             self._kill_role(role)
-        self._remove_groups(list(self._groups))
+        self._groups.remove_all()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
 
-    def _close_role(self, role: str) -> None:
+    def _close_role(self, role: Role) -> None:
         for s in self._zmq.pop(role, []):
             try:
                 s.send_multipart(self._auth.seal([OP_STOP, b""]), flags=1)  # zmq.NOBLOCK
@@ -422,7 +372,7 @@ class RayExecutor:
             s.close(linger=0)
         self.endpoints.pop(role, None)
 
-    def _kill_role(self, role: str) -> None:
+    def _kill_role(self, role: Role) -> None:
         import ray
 
         self._liveness.forget(role)
@@ -432,32 +382,3 @@ class RayExecutor:
             except Exception:
                 pass
         self._actors[role] = []
-
-    def _remove_groups(self, roles: list[str]) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for role in roles:
-            pg = self._groups.pop(role, None)
-            if pg is None:
-                continue
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-
-
-def _placement_error(plan: PlacementPlan, timeout: float) -> str:
-    """Why the plan could not be placed: what the cluster lacks in total, or else that others hold it."""
-    import ray
-
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-    total = ray.cluster_resources()
-    res = plan.resource
-    why = missing_resources(plan, total, nodes)
-    if why is None:
-        free = ray.available_resources().get(res, 0.0)
-        why = (f"the cluster has enough {res} in total but only {free:g} free: other jobs or engines hold the "
-               "rest")
-    return (f"could not place the workers within {timeout:g} s: {why}. Needed: {plan.describe()}. Cluster: "
-            f"{total.get('CPU', 0.0):g} CPU, {total.get('GPU', 0.0):g} GPU on {len(nodes)} node(s). Lower "
-            "tensor_parallel_size / draft_tensor_parallel_size, or add nodes.")

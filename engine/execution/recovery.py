@@ -29,18 +29,42 @@ stops the engine like any exhausted budget.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from engine.execution.faults import TooManyRestartsError, WorkerDiedError
+from engine.execution.role import Role
 
-DRAFT_START_TIMEOUT_S = float(os.environ.get("SPECSERVE_STEP_TIMEOUT_S", "600"))
 
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+class RestartableExecutor(Protocol):
+    """An executor whose workers can be replaced (Ray actors, a draft process)."""
+
+    step_timeout_s: float  # also how long a replacement draft may take to start
+
+    def in_flight(self) -> list[Role]: ...
+
+    def discard_in_flight(self, role: Role) -> None: ...
+
+    def wait_target(self) -> Any: ...
+
+    def wait_draft(self) -> Any: ...
+
+    def begin_restart(self, role: Role) -> None: ...
+
+    def finish_restart(self, role: Role, block: bool) -> bool: ...
+
+
+class RecoveringEngine(Protocol):
+    """What recovery needs of the engine: its executor, and the two hooks that drop and refill worker state."""
+
+    @property
+    def executor(self) -> RestartableExecutor: ...
+
+    def lose_worker_state(self, role: Role) -> None: ...
+
+    def resume_draft(self) -> None: ...
 
 
 @dataclass
@@ -82,16 +106,16 @@ class RecoveryCollector:
 
 
 class Recovery:
-    def __init__(self, engine: LLMEngine, max_restarts: int, window_s: float) -> None:
+    def __init__(self, engine: RecoveringEngine, max_restarts: int, window_s: float) -> None:
         self.engine = engine
         self.max_restarts = max_restarts
         self.window_s = window_s
         self.stats = RecoveryStats()
         self._recent: deque[tuple[float, str]] = deque()  # (time, description) of failures in the window
-        self._restarting: dict[str, float] = {}  # role started in the background -> when it was noticed
-        self._started: dict[str, float] = {}  # role started in the background -> when its replacement began
-        self.draft_start_timeout_s = DRAFT_START_TIMEOUT_S
-        self._recovering: str | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
+        self._restarting: dict[Role, float] = {}  # role started in the background -> when it was noticed
+        self._started: dict[Role, float] = {}  # role started in the background -> when its replacement began
+        self.draft_start_timeout_s = engine.executor.step_timeout_s
+        self._recovering: Role | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
     @property
     def degraded(self) -> bool:
@@ -138,29 +162,29 @@ class Recovery:
 
     def poll(self) -> None:
         """Between steps: bring a restarted draft back into service once it has loaded."""
-        started = self._restarting.get("draft")
+        started = self._restarting.get(Role.DRAFT)
         if started is None:
             return
         try:
-            ready = self.engine.executor.finish_restart("draft", block=False)
+            ready = self.engine.executor.finish_restart(Role.DRAFT, block=False)
         except RuntimeError as e:
-            del self._restarting["draft"]
-            self.recover(WorkerDiedError("draft", None, f"its replacement failed to start: {e}"))
+            del self._restarting[Role.DRAFT]
+            self.recover(WorkerDiedError(Role.DRAFT, None, f"its replacement failed to start: {e}"))
             return
-        took = time.monotonic() - self._started["draft"]
+        took = time.monotonic() - self._started[Role.DRAFT]
         if not ready and took > self.draft_start_timeout_s:
-            del self._restarting["draft"]
-            self.recover(WorkerDiedError("draft", None, f"its replacement was not up after {took:.0f} s "
-                                         "(SPECSERVE_STEP_TIMEOUT_S)"))
+            del self._restarting[Role.DRAFT]
+            self.recover(WorkerDiedError(Role.DRAFT, None, f"its replacement was not up after {took:.0f} s "
+                                         "(--step-timeout)"))
             return
         if ready:
             try:
                 self.engine.resume_draft()
             except WorkerDiedError as e:  # the replacement died while its cache was refilled: once more
-                del self._restarting["draft"]
+                del self._restarting[Role.DRAFT]
                 self.recover(e)
                 return
-            del self._restarting["draft"]
+            del self._restarting[Role.DRAFT]
             self.stats.recovery_s.append(time.monotonic() - started)
 
     def _admit(self, err: WorkerDiedError) -> None:
@@ -175,13 +199,13 @@ class Recovery:
         if len(self._recent) > self.max_restarts:
             raise TooManyRestartsError([d for _, d in self._recent], self.max_restarts, self.window_s) from err
 
-    def _restart(self, role: str, noticed: float) -> None:
+    def _restart(self, role: Role, noticed: float) -> None:
         executor = self.engine.executor
         self._restarting.pop(role, None)
         executor.begin_restart(role)  # RuntimeError if the plan no longer fits the cluster: not retried
         self.stats.restarts[role] = self.stats.restarts.get(role, 0) + 1
         self.engine.lose_worker_state(role)
-        if role == "draft":
+        if role == Role.DRAFT:
             self._restarting[role] = noticed
             self._started[role] = time.monotonic()
             return

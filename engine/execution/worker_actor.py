@@ -15,6 +15,7 @@ import socket
 import threading
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from engine.execution import codec
 from engine.execution.faults import injected_fault
 from engine.execution.frames import FrameAuth
+from engine.execution.role import Role
 from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
 from workers.worker_config import WorkerConfig
@@ -46,7 +48,7 @@ def node_ip() -> str:
 class WorkerProcess:
     """Wrapped by ``ray.remote`` in ray_executor.py (no Ray decorator here: no import-time side effects)."""
 
-    def __init__(self, role: str, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
+    def __init__(self, role: Role, config: WorkerConfig, rank: int, world_size: int, secret: bytes) -> None:
         self.role = role
         self.secret = secret  # signs and checks every zmq frame (engine/execution/frames.py)
         self._auths: dict[str, FrameAuth] = {}  # socket -> its signer/checker (dropped-frame counts)
@@ -73,14 +75,14 @@ class WorkerProcess:
         device = "cuda:0" if gpu else "cpu"
         if gpu:
             torch.cuda.set_device(0)
-        torch.set_num_threads(max(1, int(os.environ.get("SPECSERVE_WORKER_THREADS", "1"))))
+        torch.set_num_threads(self.config.num_threads)
         tp = TPGroup.single()
         if self.world_size > 1:
             dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
             tp = TPGroup.from_process_group()
         cfg = dataclasses.replace(self.config, device=device)
-        if self.role == "target":
+        if self.role == Role.TARGET:
             from workers.target_worker import TargetWorker
 
             self.worker = TargetWorker(cfg, tp)
@@ -236,9 +238,8 @@ def code_root() -> str:
     """The folder holding the ``engine`` package this process imported. Ray puts the driver's working directory
     first on its workers' sys.path, so a worker may import another copy of the code than the controller (e.g.
     ``specserve`` from the editable install, run inside a checkout of another version)."""
-    import engine
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
+    # This file is engine/execution/worker_actor.py: three levels up is the folder that holds ``engine``.
+    return str(Path(os.path.abspath(__file__)).parents[2])
 
 
 def _bundle_index() -> int | None:

@@ -19,63 +19,26 @@ nested JSON) or whose method/url/body is wrong becomes an error-file row for tha
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from engine.jobs.batch_object import ACTIVE, BATCH_FIELDS, TERMINAL, batch_object
+from engine.jobs.database import JobDatabase, Transaction
+from engine.jobs.dir_lock import claim_dir
+from engine.jobs.errors import InvalidRequestError, NotFoundError
 from engine.jobs.jsonl import iter_lines, loads
 from engine.jobs.lines import MISSING, check_line, expired_row, new_id, validation_error
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-TERMINAL = ("completed", "failed", "cancelled", "expired")
 MAX_VALIDATION_ERRORS = 100
 _CHUNK = 1 << 20
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS batches (
-    id TEXT PRIMARY KEY, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
-    status TEXT NOT NULL, output_file_id TEXT, error_file_id TEXT, errors TEXT, metadata TEXT,
-    created_at INTEGER NOT NULL, in_progress_at INTEGER, expires_at INTEGER, finalizing_at INTEGER,
-    completed_at INTEGER, failed_at INTEGER, expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
-    total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS requests (
-    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, line INTEGER NOT NULL, custom_id TEXT,
-    offset INTEGER NOT NULL, length INTEGER NOT NULL, state TEXT NOT NULL, result TEXT,
-    PRIMARY KEY (batch_id, idx));
-CREATE INDEX IF NOT EXISTS requests_by_custom_id ON requests (batch_id, custom_id);
-"""
-
-_BATCH_FIELDS = ("id", "endpoint", "input_file_id", "completion_window", "status", "output_file_id",
-                 "error_file_id", "errors", "metadata", "created_at", "in_progress_at", "expires_at",
-                 "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at",
-                 "total", "completed", "failed")
-
-
-class NotFoundError(KeyError):
-    """No such file or batch (HTTP 404)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class InvalidRequestError(ValueError):
-    """A request the store refuses (HTTP 400), naming the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -93,15 +56,13 @@ def default_data_dir() -> str:
 
 
 class JobStore:
-    """Thread-safe: each thread gets its own SQLite connection; WAL lets readers run beside the one writer."""
+    """Thread-safe: each thread gets its own SQLite connection (engine/jobs/database.py)."""
 
     def __init__(self, data_dir: str | os.PathLike[str]) -> None:
         self.root = Path(data_dir)
         self.files_dir = self.root / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db_path = self.root / "jobs.sqlite3"
-        self._local = threading.local()
-        self._db().executescript(_SCHEMA)
+        self._sql = JobDatabase(self.root / "jobs.sqlite3")
 
     def claim(self) -> None:
         """Make this process the data directory's only server, for as long as it lives.
@@ -109,50 +70,16 @@ class JobStore:
         Two servers on one directory would both run its batch jobs (each request twice, the output file written
         by whichever finishes last). The lock is an OS file lock, so a killed server leaves nothing to clean up.
         """
-        path = self.root / "server.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RuntimeError(f"--data-dir {self.root} is in use by another specserve server (pid {holder}); "
-                               "give each server its own --data-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd  # held open (and locked) until the process exits
+        self._lock_fd = claim_dir(self.root, "server.lock")  # held open (and locked) until the process exits
 
     def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.db_path, timeout=30.0, isolation_level=None)
-            db.row_factory = sqlite3.Row
-            db.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode: a commit survives a killed process (it is in the WAL file); only an OS crash
-            # or power loss can drop the last commits, and those requests then simply run again.
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
-        return db
+        return self._sql.conn()
 
-    class _Tx:
-        def __init__(self, db: sqlite3.Connection) -> None:
-            self.db = db
-
-        def __enter__(self) -> sqlite3.Connection:
-            self.db.execute("BEGIN IMMEDIATE")
-            return self.db
-
-        def __exit__(self, exc_type: Any, *_: Any) -> None:
-            self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
-
-    def _tx(self) -> JobStore._Tx:
-        return JobStore._Tx(self._db())
+    def _tx(self) -> Transaction:
+        return self._sql.tx()
 
     def close(self) -> None:
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            db.close()
-            self._local.db = None
+        self._sql.close()
 
     # ------------------------------------------------------------------------------------------------ files
     def file_path(self, file_id: str) -> Path:
@@ -249,7 +176,7 @@ class JobStore:
         return row
 
     def get_batch(self, batch_id: str) -> dict[str, Any]:
-        return _batch_object(self._batch_row(batch_id))
+        return batch_object(self._batch_row(batch_id))
 
     def list_batches(self, limit: int = 20, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Newest first, ``limit`` of them after the batch ``after``; and whether more follow."""
@@ -259,7 +186,7 @@ class JobStore:
             q += " WHERE rowid < (SELECT rowid FROM batches WHERE id = ?)"
             args.append(after)
         rows = self._db().execute(q + " ORDER BY rowid DESC LIMIT ?", (*args, limit + 1)).fetchall()
-        return [_batch_object(r) for r in rows[:limit]], len(rows) > limit
+        return [batch_object(r) for r in rows[:limit]], len(rows) > limit
 
     def batches_in(self, *statuses: str) -> list[str]:
         rows = self._db().execute(f"SELECT id FROM batches WHERE status IN ({','.join('?' * len(statuses))}) "
@@ -282,7 +209,7 @@ class JobStore:
 
     def _set_status(self, batch_id: str, status: str, only_from: tuple[str, ...], **extra: Any) -> bool:
         """Move to ``status`` (stamping ``<status>_at``) if the batch is in one of ``only_from``."""
-        cols = {f"{status}_at": int(time.time()), **extra} if f"{status}_at" in _BATCH_FIELDS else dict(extra)
+        cols = {f"{status}_at": int(time.time()), **extra} if f"{status}_at" in BATCH_FIELDS else dict(extra)
         sets = ", ".join(["status = ?"] + [f"{k} = ?" for k in cols])
         with self._tx() as db:
             cur = db.execute(f"UPDATE batches SET {sets} WHERE id = ? AND status IN "
@@ -388,7 +315,7 @@ class JobStore:
         """
         b = self._batch_row(batch_id)
         if b["status"] in TERMINAL:
-            return _batch_object(b)
+            return batch_object(b)
         if final_status == "completed":
             self._set_status(batch_id, "finalizing", ("in_progress",))
         expired = final_status == "expired"
@@ -432,18 +359,3 @@ class JobStore:
         with open(self.file_path(file_id), "rb") as f:
             while data := f.read(chunk):
                 yield data
-
-
-def _batch_object(row: sqlite3.Row) -> dict[str, Any]:
-    """The batch as OpenAI's API returns it."""
-    d = {k: row[k] for k in _BATCH_FIELDS}
-    return {
-        "id": d["id"], "object": "batch", "endpoint": d["endpoint"],
-        "errors": None if d["errors"] is None else json.loads(d["errors"]),
-        "input_file_id": d["input_file_id"], "completion_window": d["completion_window"], "status": d["status"],
-        "output_file_id": d["output_file_id"], "error_file_id": d["error_file_id"],
-        **{k: d[k] for k in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
-                             "failed_at", "expired_at", "cancelling_at", "cancelled_at")},
-        "request_counts": {"total": d["total"], "completed": d["completed"], "failed": d["failed"]},
-        "metadata": None if d["metadata"] is None else json.loads(d["metadata"]),
-    }

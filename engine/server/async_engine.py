@@ -43,16 +43,15 @@ from typing import Any
 
 from engine.server.health import Health, RestartBudget, read_restoring
 from engine.server.metrics import EngineStats, ServerMetrics, read_engine_stats
+from engine.server.open_requests import OpenRequests
 from engine.server.streams import (
     ACCEPTED,
     STOP,
     AbortCommand,
     AddCommand,
     EngineUnavailableError,
-    LiveRequest,
     QueueFullError,
     RequestStream,
-    RequestTiming,
 )
 
 logger = logging.getLogger("specserve.server")
@@ -248,16 +247,15 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
-        timings: dict[str, RequestTiming] = {}
-        live: dict[str, LiveRequest] = {}
+        requests = OpenRequests(self.metrics)
         try:
             while True:
                 try:
-                    self._serve(timings, live)
+                    self._serve(requests)
                     return  # stopped
                 except BaseException as e:  # a failed step: the engine's state can no longer be trusted
                     logger.exception("engine step failed")
-                    if not self._restart(e, timings, live):
+                    if not self._restart(e, requests):
                         self._dead = self._dead or e
                         self._post([(None, EngineUnavailableError(self._unavailable_reason()))])
                         return
@@ -265,7 +263,7 @@ class AsyncEngine:
             self._restarting = None
             self._shutdown_engine()
 
-    def _serve(self, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> None:
+    def _serve(self, requests: OpenRequests) -> None:
         """Step the current engine until told to stop (returns) or a step fails (raises)."""
         engine = self._engine
         while True:
@@ -278,7 +276,7 @@ class AsyncEngine:
                     break
             if any(c is STOP for c in cmds):
                 return
-            out = [self._apply(engine, c, timings, live) for c in cmds]
+            out = [requests.apply(engine, c) for c in cmds]
             if engine.has_unfinished:
                 try:
                     deltas = engine.step()
@@ -288,7 +286,7 @@ class AsyncEngine:
                     self._post([o for o in out if o is not None])
                     raise
                 now = time.monotonic()
-                out += [(d.request_id, d) for d in deltas if self._observe(d, timings, now, live)]
+                out += [(d.request_id, d) for d in deltas if requests.observe(d, now)]
             self._stats = self._read_stats(engine)  # before the deltas reach the front end (queue bound)
             if self.metrics is not None:
                 self.metrics.observe_stats(self._stats)
@@ -304,7 +302,7 @@ class AsyncEngine:
         except Exception:
             logger.exception("engine shutdown failed")
 
-    def _restart(self, err: BaseException, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> bool:
+    def _restart(self, err: BaseException, requests: OpenRequests) -> bool:
         """Replace a failed engine and re-admit the open requests; False when that is not allowed or failed
         ``max_engine_restarts`` times within the window (the caller then fails every stream)."""
         if self._factory is None or self._stopped or isinstance(err, (KeyboardInterrupt, SystemExit)):
@@ -337,81 +335,8 @@ class AsyncEngine:
             self.metrics.engine_replaced()
         if self._on_new_engine is not None:
             self._on_new_engine(engine)
-        self._readmit(engine, timings, live)
+        self._post(requests.readmit(engine))
         self._stats = self._read_stats(engine)
         self._restarting = None
-        logger.warning("engine restarted after a failed step; %d open request(s) re-admitted", len(live))
-        return True
-
-    def _readmit(self, engine: Any, timings: dict[str, RequestTiming], live: dict[str, LiveRequest]) -> None:
-        """Every open request into the new engine from its tokens so far; one that cannot be resumed ends with
-        a clear error (never a traceback)."""
-        failed: list[tuple[str, Any]] = []
-        for rid, r in list(live.items()):
-            a = r.add
-            try:
-                if isinstance(a.prompt, str):  # no token ids to resume from (the routes always send ids)
-                    if r.output_token_ids:
-                        raise ValueError("prompt: a text prompt cannot be resumed mid-stream")
-                    engine.add_request(rid, a.prompt, a.params, **({"priority": a.priority} if a.priority else {}))
-                else:
-                    extra = {"priority": a.priority} if a.priority else {}
-                    if r.output_token_ids:
-                        extra["output_token_ids"] = list(r.output_token_ids)
-                    engine.add_request(rid, list(a.prompt), a.params, **extra)
-            except Exception as e:
-                logger.warning("could not resume request %s after the engine restart: %s", rid, e)
-                live.pop(rid)
-                timings.pop(rid, None)
-                failed.append((rid, EngineUnavailableError(
-                    f"the engine restarted after a failed step and this request could not be resumed ({e}); "
-                    "send it again")))
-        self._post(failed)
-
-    def _apply(self, engine: Any, cmd: Any, timings: dict[str, RequestTiming],
-               live: dict[str, LiveRequest]) -> tuple[str, Any] | None:
-        if isinstance(cmd, AbortCommand):
-            live.pop(cmd.request_id, None)
-            timing = timings.pop(cmd.request_id, None)
-            if engine.abort_request(cmd.request_id) and timing is not None and self.metrics is not None:
-                self.metrics.observe_finished("abort", time.monotonic() - timing.arrival, None, 0)
-            return None
-        try:
-            # priority only when set: an engine without priorities (a test double) still serves online traffic
-            extra = {"priority": cmd.priority} if cmd.priority else {}
-            engine.add_request(cmd.request_id, cmd.prompt, cmd.params, **extra)
-        except Exception as e:  # ValueError: refused (a 400); anything else fails this request alone
-            if not isinstance(e, ValueError):
-                logger.exception("add_request failed for %s", cmd.request_id)
-            return cmd.request_id, e
-        timings[cmd.request_id] = RequestTiming(cmd.arrival)
-        live[cmd.request_id] = LiveRequest(cmd, [])
-        return cmd.request_id, ACCEPTED
-
-    def _observe(self, d: Any, timings: dict[str, RequestTiming], now: float, live: dict[str, LiveRequest]) -> bool:
-        """Latency metrics of one delta, and its tokens noted for a restart; False for a request that was aborted
-        (nobody reads it)."""
-        t = timings.get(d.request_id)
-        if t is None:
-            return False
-        r = live.get(d.request_id)
-        if r is not None:
-            if d.finished:
-                del live[d.request_id]
-            else:
-                r.output_token_ids += d.new_token_ids
-        m = self.metrics
-        if d.new_token_ids and t.first is None:
-            t.first = now
-            if m is not None:
-                m.observe_first_output(now - t.arrival, d.num_prompt_tokens)
-        if m is not None:
-            m.observe_output(len(d.new_token_ids), None if t.last is None or not d.new_token_ids else now - t.last)
-        if d.new_token_ids:
-            t.last = now
-        if d.finished:
-            del timings[d.request_id]
-            if m is not None:
-                m.observe_finished(d.finish_reason or "stop", now - t.arrival,
-                                   None if t.first is None else t.first - t.arrival, d.num_output_tokens)
+        logger.warning("engine restarted after a failed step; %d open request(s) re-admitted", len(requests))
         return True

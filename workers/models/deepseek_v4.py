@@ -364,7 +364,7 @@ def load_deepseek_v4(path: str, dtype: torch.dtype | None = None, device: str | 
     """A V4 checkpoint directory (config.json + safetensors, transformers' names) -> our model."""
     from transformers import AutoConfig
 
-    from workers.loader import iter_weights
+    from workers.weight_files import iter_weights
 
     path = os.fspath(path)
     cfg = DeepseekV4ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
