@@ -1,7 +1,7 @@
 """Workers in Ray actors: the draft on its own bundle(s), the target's tensor-parallel ranks packed on one node.
 
 Ray does placement, lifecycle and health; the per-round messages go over zmq as msgpack frames (or, with
-``transport="ray"``, as plain actor calls — kept for comparison: see benchmarks/transport.py). The
+``transport="ray"``, as plain actor calls — kept for comparison; deploy/README.md has the measured difference). The
 draft's laws take a third path, draft rank 0 straight to target rank 0 (``_connect_laws``): the controller
 sends and receives ints only.
 """
