@@ -28,11 +28,7 @@ def add_group(engine: Any, group: list[list[int]], params: list[SamplingParams],
 
 
 def _reset_stats(llm: Any) -> None:
-    eng = llm.engine
-    eng.stats.__init__()
-    eng.times.__init__()
-    if eng.pipeline is not None:
-        eng.pipeline.stats.__init__()
+    llm.engine.reset_stats()
 
 
 def _collect_stats(llm: Any, row: Row) -> None:
