@@ -12,7 +12,6 @@ q^(1/2), renormalised) must fail.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import numpy as np

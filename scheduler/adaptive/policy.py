@@ -67,9 +67,10 @@ class AdaptivePolicy:
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
         moved, and its prompt chunks) and how long it took."""
-        if not self.observing:
+        views = [self._views.get(r.seq_id) for r in batch.rounds]
+        if not self.observing or None in views:  # a step this policy did not plan is not learned from
             return
-        load = real_load([self._views[r.seq_id] for r in batch.rounds], batch.shapes)
+        load = real_load(views, batch.shapes)
         prefill = sum(c.end - c.start for c in batch.prefills)
         load.verify_tokens += prefill
         load.prefill_tokens, load.num_seqs = prefill, load.num_seqs + len(batch.prefills)
