@@ -4,7 +4,7 @@ Runs the adaptive engine with its shape forced, so that every decode step forwar
 tokens as ``seqs`` sequences x ``depth + 1`` tokens (32 x 1 plain, 16 x 2, 8 x 4, 4 x 8 for 32 tokens), the
 layouts interleaved within each repeat, and prints the median verify time of those steps: wall (the engine's
 target call) and its thread's CPU time (steadier on a shared machine). The adaptive
-policy's verify curves are kept per batch size (scheduler/cost_model.py) because of what this shows.
+policy's verify curves are kept per batch size (scheduler/adaptive/costs.py) because of what this shows.
 
     python -m benchmarks.verify_seqs --tokens 32 --temperature 0.8 --repeats 3
 """
@@ -45,12 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     policy.observing = False
     seen: list[tuple[int, float, float]] = []  # (verify tokens, wall s, CPU s) of each target call
     tokens = [0]
-    shape_of, wait_target = engine._step_shape, engine.executor.wait_target
+    submit_target, wait_target = engine.executor.submit_target, engine.executor.wait_target
 
-    def record_shape(batch):  # the tokens of the step's target forward, before the counters move
-        sample = shape_of(batch)
-        tokens[0] = -1 if sample.draft_prefill else sample.verify_tokens
-        return sample
+    def record_tokens(msg):  # the tokens of the step's target forward (-1: it also prefilled)
+        tokens[0] = -1 if msg.prefills else sum(len(s.token_ids) + len(s.tree_tokens) for s in msg.seqs)
+        return submit_target(msg)
 
     def timed_wait():  # the in-process target runs on this thread, inside wait_target
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         seen.append((tokens[0], time.perf_counter() - t0, time.thread_time() - c0))
         return out
 
-    engine._step_shape = record_shape
+    engine.executor.submit_target = record_tokens
     engine.executor.wait_target = timed_wait
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}

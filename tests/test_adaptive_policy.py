@@ -94,18 +94,24 @@ def test_the_plan_states_the_step_token_accounting() -> None:
     assert price(reqs, [(2, 1, 1), ()], _costs(0.1, 1, 0.1, 1)).load == load
 
 
-def test_acceptance_shrinks_towards_the_engine_and_forgets_unreached_depths() -> None:
+def test_acceptance_learns_per_regime_and_forgets_unreached_depths() -> None:
     t = AcceptanceTracker()
-    assert t.engine_rates(True, 3) == pytest.approx([0.7] * 3)
-    for _ in range(50):
-        t.observe(1, True, False, 4, 4)  # every candidate accepted
-    assert all(r > 0.9 for r in t.rates(1, True, 4))
-    assert t.reach(True, 2)[0] > 0.9 and t.reach(True, 2)[1] <= t.reach(True, 2)[0]
-    t.observe(1, True, False, 4, 1)  # one miss at depth 2
-    before = t.rates(1, True, 4)[1]
-    for _ in range(30):
-        t.observe(1, True, False, 0, 0)  # plain rounds: the miss ages away
-    assert t.rates(1, True, 4)[1] > before
+    assert t.rates(True, 3) == pytest.approx([0.7] * 3)
+    for _ in range(100):
+        t.observe(True, False, 4, 4)  # greedy chains: every candidate accepted
+    assert all(r > 0.9 for r in t.rates(True, 4)) and t.rates(False, 2) == pytest.approx([0.7] * 2)
+    assert t.rates(True, 6)[5] == pytest.approx(t.rates(True, 6)[3], abs=0.02)  # untried depths: the one above
+    reach = t.reach(True, 3)
+    assert reach[0] > 0.9 and reach[0] >= reach[1] >= reach[2]
+    for _ in range(20):
+        t.observe(True, False, 4, 1)  # misses at depth 2 ...
+    low = t.rates(True, 4)[1]
+    for _ in range(500):
+        t.observe(True, False, 1, 1)  # ... then rounds that stop at depth 1: depth 2's miss ages away
+    assert t.rates(True, 4)[1] > low + 0.1
+    # A tree's prior is the chain's rate; its own rounds move it.
+    assert t.rates(True, 2, (2, 1)) == pytest.approx(t.rates(True, 2))
+    assert t.seen_rounds(True) == 620 and t.seen_rounds(False) == 0
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
 
 
