@@ -83,7 +83,7 @@ class SpeculativeConfig:
       thread beside the target (engine/execution/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
-      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default true unless
+      tree) per request from measured costs and acceptance (docs/adaptive.md); default true unless
       ``num_speculative_tokens_per_batch_size`` fixes the schedule; false runs ``num_speculative_tokens`` (and
       the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
       depend on the depths; a seed must reproduce them);

@@ -21,7 +21,7 @@ import platform
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,8 +31,7 @@ from scheduler.sampling_params import SamplingParams
 from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy, TreeShape
 
 if TYPE_CHECKING:
-    from engine.core.config import SpeculativeConfig
-    from engine.core.llm_engine import LLMEngine
+    from engine.core.config import EngineConfig, SpeculativeConfig
 
 PROMPT_LEN = 8  # dummy prompt tokens: decode costs hardly depend on the context length
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves
@@ -41,6 +40,21 @@ ROUNDS = 4  # verify rounds per group
 CACHE_FORMAT = 3  # 3: scheduler/adaptive/costs.py
 CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (load, updates, drift)
 _CODE_DIRS = ("engine", "scheduler", "workers")
+
+
+class LLMEngine(Protocol):
+    """What warm-up uses of an engine: its public loop (engine/core/llm_engine.py)."""
+
+    config: EngineConfig
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def has_unfinished(self) -> bool: ...
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Any: ...
+    def step(self) -> Any: ...
+    def abort_request(self, request_id: str) -> bool: ...
+    def reset_stats(self) -> None: ...
 
 
 def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, draft_max_len: int,
