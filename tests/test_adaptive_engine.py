@@ -197,7 +197,7 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     assert len(profiled) == 2 and len(list(tmp_path.glob("policy-costs-*.json"))) == 2
     start({**cfg, "adaptive_cost_cache": False})
     assert len(profiled) == 3
-    path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1, 0]]}}}')  # not ours: ignored
+    path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1]]}}}')  # not ours: ignored
     start(cfg)
     assert len(profiled) == 4 and json.loads(path.read_text())["greedy"]["verify"]["points"]  # and rewritten
 
@@ -281,7 +281,7 @@ def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
     for x in (1, 3, 50, 300):
         assert back.verify_seconds(x, 4) == m.verify_seconds(x, 4)
         assert back.draft_seconds([x, x], [32, 8]) == m.draft_seconds([x, x], [32, 8]) > m.draft_seconds([x, x], [])
-    for bad in ([[3, 1.0, 0.5, 0]],  # the point is not in its bucket
-                [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]]):
+    for bad in ([[3, 1.0, 0.5]],  # the point is not in its bucket
+                [[0, 1.0, float("nan")]], [[0, 1.0, -1.0]], [[0, "1", 0.5]], [[0, 1.0, 0.5, 0]]):
         with pytest.raises(ValueError):
             CostModel.from_dict({**m.to_dict(), "verify": {"points": bad}})

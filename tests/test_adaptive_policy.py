@@ -115,13 +115,13 @@ def test_acceptance_learns_per_regime_and_forgets_unreached_depths() -> None:
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
 
 
-def test_explorer_budget_backoff_and_hysteresis() -> None:
+def test_explorer_budget_and_hysteresis() -> None:
     cfg = AdaptiveConfig()
     e = Explorer(cfg)
     assert e.interval(0.0) == cfg.explore_min
     assert e.interval(0.0, measured=False) == 0  # never measured: as soon as possible
     assert e.interval(1.0) == pytest.approx(1.0 / cfg.explore_budget)  # one step lost every 1 / budget steps
-    assert e.interval(1.0, confirms=1) == pytest.approx(2.0 / cfg.explore_budget)
+    assert e.interval(1.0, odds=0.5) == pytest.approx(2.0 / cfg.explore_budget)  # a long shot: rarer
     assert e.interval(100.0) == cfg.explore_every
     assert e.beats(1.06, 1.0) and not e.beats(1.04, 1.0)
     with pytest.raises(ValueError):

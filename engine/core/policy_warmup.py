@@ -37,7 +37,7 @@ PROMPT_LEN = 8  # dummy prompt tokens: decode costs hardly depend on the context
 MAX_BATCH = 256  # larger batches are priced by extrapolating the curves
 SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round (one-off costs)
 ROUNDS = 4  # verify rounds per group
-CACHE_FORMAT = 3  # 3: scheduler/adaptive/costs.py
+CACHE_FORMAT = 4  # 4: scheduler/adaptive/costs.py, points without confirmations
 CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (load, updates, drift)
 _CODE_DIRS = ("engine", "scheduler", "workers")
 

@@ -18,12 +18,10 @@ class AdaptiveConfig:
     # Cost curves (seconds per log2 bucket of a size).
     curve_decay: float = 0.1  # weight of a new measurement per step since its bucket was measured: noise vs drift
     curve_max_jump: float = 0.5  # the most one measurement moves a bucket: one slow step vs a real change
-    confirm_tol: float = 0.15  # a re-measurement this close (relative) confirms a bucket, spacing its explorations
     # Exploration (shared by the plan's sizes and the pipelining switch).
     explore_budget: float = 0.03  # share of the time exploring may cost when the prediction is right
     explore_min: int = 8  # steps between explorations of one thing, at least: cheap explorations vs churn
     explore_every: int = 256  # ... at most: stale curves vs exploration cost
-    explore_backoff: int = 3  # confirmed re-measurements double the interval, up to 2**this times
     explore_stall: float = 3.0  # an exploration longer than this many chosen steps stalls the batch: its budget shrinks
     explore_floor: float = 0.67  # ... and such a plan predicted below this share of the chosen rate is not explored
     explore_odds: float = 2.0  # from plain decode, the budget scales by (plan rate / plain rate) ** this

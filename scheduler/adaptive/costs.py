@@ -77,7 +77,6 @@ class _Point:
     x: float
     y: float
     step: int  # when last updated
-    confirms: int = 0  # re-measurements in a row that found the value where it was
 
 
 @dataclass
@@ -86,7 +85,6 @@ class Curve:
 
     decay: float = _DEFAULTS.curve_decay
     max_jump: float = _DEFAULTS.curve_max_jump
-    confirm_tol: float = _DEFAULTS.confirm_tol
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)
@@ -102,8 +100,6 @@ class Curve:
         if p is None:
             self.points[bucket(x)] = _Point(float(x), seconds, self.clock)
             return
-        if self.clock - p.step > 1:  # measured again after a gap: did it find the value where it was?
-            p.confirms = p.confirms + 1 if abs(seconds - p.y) <= self.confirm_tol * p.y else 0
         # Exponential in the curve's time, not in this bucket's updates: a size re-measured after a long gap moves
         # most of the way, never all of it (one slowed-down step must not become the curve).
         a = min(self.max_jump, 1.0 - (1.0 - self.decay) ** (self.clock - p.step))
@@ -165,7 +161,6 @@ def _monotone(ys: list[float]) -> list[float]:
 class SizeRecord(NamedTuple):
     age: int | None  # steps of this batch size since the size was measured (None: nothing measured there)
     measured: bool  # ever measured at this batch size
-    confirms: int
 
 
 @dataclass
@@ -238,8 +233,8 @@ class CostModel:
         c = self.verify if c is None or not c.points else c
         p = c.points.get(bucket(tokens))
         if p is None:
-            return SizeRecord(c.clock if c.points else None, False, 0)
-        return SizeRecord(c.clock - p.step, True, p.confirms)
+            return SizeRecord(c.clock if c.points else None, False)
+        return SizeRecord(c.clock - p.step, True)
 
     def draft_seconds(self, tokens: Sequence[float], seqs: Sequence[int]) -> float:
         fwd = [(n, seqs[f] if f < len(seqs) else 0) for f, n in enumerate(tokens) if n > 0]
@@ -290,15 +285,15 @@ class CostModel:
 
 
 def _curve_to_dict(c: Curve) -> dict:
-    return {"points": [[b, p.x, p.y, p.confirms] for b, p in sorted(c.points.items())]}
+    return {"points": [[b, p.x, p.y] for b, p in sorted(c.points.items())]}
 
 
 def _curve_from_dict(d: dict) -> Curve:
     c = Curve()
     for row in d["points"]:
-        b, x, y, confirms = row
-        if not (isinstance(b, int) and isinstance(confirms, int) and all(isinstance(v, int | float) for v in (x, y))
+        b, x, y = row
+        if not (isinstance(b, int) and all(isinstance(v, int | float) for v in (x, y))
                 and math.isfinite(x) and math.isfinite(y) and x > 0 and y >= 0 and b == bucket(x)):
             raise ValueError(f"not a cost-curve point: {row!r}")
-        c.points[b] = _Point(float(x), float(y), 0, max(0, confirms))
+        c.points[b] = _Point(float(x), float(y), 0)
     return c

@@ -4,8 +4,7 @@ that its measurement stays current, and how much better an alternative must be t
 Used by the adaptive policy (the step sizes of plans it is not running) and by the pipelining switch (the mode
 it is not running). An exploration that loses ``loss`` chosen steps is run every ``loss / explore_budget`` steps,
 so exploring costs ~``explore_budget`` of the time when the prediction is right, between ``explore_min`` and
-``explore_every`` steps; each re-measurement that confirmed the old value doubles the interval (up to
-``2 ** explore_backoff``); ``odds`` < 1 (the alternative is predicted far worse) stretches it further.
+``explore_every`` steps; ``odds`` < 1 (the alternative is predicted far worse) stretches it further.
 """
 
 from __future__ import annotations
@@ -19,13 +18,13 @@ from scheduler.adaptive.config import AdaptiveConfig
 class Explorer:
     config: AdaptiveConfig
 
-    def interval(self, loss: float, confirms: int = 0, measured: bool = True, odds: float = 1.0) -> float:
+    def interval(self, loss: float, measured: bool = True, odds: float = 1.0) -> float:
         """Steps between explorations that each lose ``loss`` chosen steps. A thing never measured is explored
         as soon as the budget allows (no ``explore_min``)."""
         c = self.config
         low = c.explore_min if measured else 0
         base = min(c.explore_every, max(low, loss / c.explore_budget))
-        return min(c.explore_every, 2 ** min(c.explore_backoff, confirms) * base / max(odds, 1e-2))
+        return min(c.explore_every, base / max(odds, 1e-2))
 
     def odds(self, rate: float, chosen_rate: float) -> float:
         """An alternative's share of the budget: (its rate / the chosen one's) ** explore_odds, at most 1."""

@@ -218,7 +218,7 @@ class AdaptivePolicy:
                 loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds
                 loss /= min(1.0, cfg.explore_stall * chosen.seconds / max(real.seconds, 1e-9))
                 odds = self.explorer.odds(steady, chosen.rate) if alternatives and rec.measured else 1.0
-                interval = self.explorer.interval(loss, rec.confirms, rec.measured, odds)
+                interval = self.explorer.interval(loss, rec.measured, odds)
             timed.append((interval, rec.age, real))
         if timed and alternatives:
             timed = [min(timed, key=lambda t: t[0])]
