@@ -50,7 +50,7 @@ def _instrument(llm: LLM) -> dict:
 def run_once(llm: LLM, acc: dict, prompts: list[list[int]], batch: int, temp: float, max_tokens: int) -> dict:
     acc.clear()
     eng = llm.engine
-    eng.times.__init__()
+    eng.reset_stats()
     params = [SamplingParams(max_tokens=max_tokens, temperature=temp, ignore_eos=True, seed=1000 + j)
               for j in range(batch)]
     t0 = time.perf_counter()

@@ -67,13 +67,12 @@ def test_unseeded_runs_send_no_seed(seeded: bool) -> None:
     sent = []
 
     class FakeLLM:
-        engine = SimpleNamespace(stats=SimpleNamespace(), times=SimpleNamespace(), pipeline=None)
+        engine = SimpleNamespace(reset_stats=lambda: None, pipeline=None)
 
         def generate(self, prompts, params):
             sent.extend(params)
             return [SimpleNamespace(token_ids=[1]) for _ in prompts]
 
-    FakeLLM.engine.stats.__init__ = lambda: None
     engine_run(FakeLLM(), [[[1, 2]], [[3]]], 4, 0.8, None, seeded=seeded)
     assert [p.seed for p in sent] == ([0, 1000] if seeded else [None, None])
 
