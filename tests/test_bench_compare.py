@@ -107,9 +107,11 @@ class _SteppingEngine:
 
     def __init__(self, name: str, step_s: float, steps: int, log: list[str]) -> None:
         self.name, self.step_s, self.steps, self.log = name, step_s, steps, log
-        self.stats = SimpleNamespace(__init__=lambda: None)
-        self.times = SimpleNamespace(__init__=lambda: None, as_dict=dict)
+        self.stats, self.times = SimpleNamespace(), SimpleNamespace(as_dict=dict)
         self.pipeline, self.config, self.left = None, SimpleNamespace(speculative=None), {}
+
+    def reset_stats(self) -> None:
+        pass
 
     def add_request(self, request_id, prompt, params) -> None:
         self.left[request_id] = (self.steps, prompt)
