@@ -42,22 +42,23 @@ class StepLoad:
     prefill_tokens: int = 0
     sampled: bool = False
 
-    def add(self, inflight: float, first_forward: float, shape: Sequence[int], sign: int = 1) -> None:
-        self.num_seqs += sign
-        self.verify_tokens += sign * inflight
+    def add(self, inflight: float, first_forward: float, shape: Sequence[int]) -> None:
+        """A round: ``inflight`` target tokens before its tree, ``first_forward`` draft tokens in its first forward."""
+        self.num_seqs += 1
+        self.verify_tokens += inflight
         level = 1
         for f, w in enumerate(shape):
-            if len(self.forward_tokens) <= f:
-                self.forward_tokens.append(0.0)
-                self.forward_seqs.append(0)
-            self.forward_tokens[f] += sign * (first_forward if f == 0 else level)
-            self.forward_seqs[f] += sign
+            self.feed(f, first_forward if f == 0 else level)
             level *= w
-            self.verify_tokens += sign * level
+            self.verify_tokens += level
 
-    def copy(self) -> StepLoad:
-        return StepLoad(self.verify_tokens, list(self.forward_tokens), list(self.forward_seqs), self.num_seqs,
-                        self.prefill_tokens, self.sampled)
+    def feed(self, f: int, tokens: float, seqs: int = 1) -> None:
+        """``tokens`` more for draft forward ``f``, carried by ``seqs`` more sequences."""
+        while len(self.forward_tokens) <= f:
+            self.forward_tokens.append(0.0)
+            self.forward_seqs.append(0)
+        self.forward_tokens[f] += tokens
+        self.forward_seqs[f] += seqs
 
 
 @dataclass

@@ -13,6 +13,7 @@ A round's source is a name priced with its own acceptance and costs: today the d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -160,24 +161,16 @@ def _best_prefix(reqs: Sequence[Req], cands: list[tuple[float, int, int]], base:
     """The best non-empty prefix of ``cands`` on top of ``base``: its length and rate. Every prefix is priced
     in ~``_PRICES_PER_CAP`` strides; no early stop (the first candidates pay the call's fixed part, so the rate
     can dip and recover)."""
-    load = base.copy()
+    load = dataclasses.replace(base, forward_tokens=list(base.forward_tokens), forward_seqs=list(base.forward_seqs))
     reached = [0.0] * len(reqs)  # value of each request's deepest candidate so far
     best_n, best_rate = 0, 0.0
     stride = max(1, -(-len(cands) // _PRICES_PER_CAP))
     for n, (neg_value, j, i) in enumerate(cands, start=1):
         r = reqs[i]
-        if j == 0:
-            load.add(r.inflight * 0, r.lag if r.lag is not None else r.catchup, (1,))
-            load.num_seqs -= 1  # the request was counted in the base already
-        else:
-            load.verify_tokens += 1
-            if len(load.forward_tokens) <= j:
-                load.forward_tokens.append(0.0)
-                load.forward_seqs.append(0)
-            load.forward_tokens[j] += 1
-            load.forward_seqs[j] += 1
+        load.verify_tokens += 1
+        load.feed(j, (r.lag if r.lag is not None else r.catchup) if j == 0 else 1)
         if r.lag is not None:  # the steady catch-up moves with the chain's reach: 1 + P(all accepted)
-            load.forward_tokens[0] += -neg_value - reached[i]
+            load.feed(0, -neg_value - reached[i], 0)
             reached[i] = -neg_value
         tokens -= neg_value
         if n % stride and n != len(cands):
