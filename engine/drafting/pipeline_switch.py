@@ -77,7 +77,7 @@ class PipelineSwitch:
         g.since_explore += 1
         cur, other = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
         loss = c.switch_burst * (other / cur - 1) if cur and other is not None else 0.0
-        if g.since_explore >= Explorer(c).interval(loss):
+        if g.since_explore >= Explorer(c).interval(loss, steps=c.switch_burst):
             g.since_explore, g.explore_left = 0, c.switch_burst - 1
             return not g.mode
         return g.mode

@@ -18,11 +18,12 @@ from scheduler.adaptive.config import AdaptiveConfig
 class Explorer:
     config: AdaptiveConfig
 
-    def interval(self, loss: float, measured: bool = True, odds: float = 1.0) -> float:
-        """Steps between explorations that each lose ``loss`` chosen steps. A thing never measured is explored
-        as soon as the budget allows (no ``explore_min``)."""
+    def interval(self, loss: float, measured: bool = True, odds: float = 1.0, steps: int = 1) -> float:
+        """Steps between explorations that each lose ``loss`` chosen steps and run ``steps`` steps (a burst): at
+        least ``explore_min`` chosen steps per exploring one, except for a thing never measured, explored as soon
+        as the budget allows."""
         c = self.config
-        low = c.explore_min if measured else 0
+        low = c.explore_min * steps if measured else 0
         base = min(c.explore_every, max(low, loss / c.explore_budget))
         return min(c.explore_every, base / max(odds, 1e-2))
 
