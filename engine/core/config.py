@@ -14,8 +14,8 @@ from workers.loader import QUANTIZATION_CHOICES
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[1] / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
-# ... and the adaptive policy's maximum: the measured best fixed depth at batch 1 on the built-in pair was 6-8
-# (benchmarks/results/adaptive-2026-12-02b/builtin-b1.txt); the policy goes shallower where that pays.
+# ... and the adaptive policy's maximum: deep enough for a well-matched pair at batch 1 (the built-in pair's
+# best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
 SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
