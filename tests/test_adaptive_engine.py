@@ -251,7 +251,8 @@ def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.Mo
     clock = {"t": 0.0}
     groups: list[tuple[int, float, int, int]] = []
 
-    def group(engine, policy, rng, batch, temperature, depth, rounds=warmup.ROUNDS) -> int:
+    def group(engine, policy, rng, batch, temperature, depth, rounds=None) -> int:
+        rounds = policy.config.profile_rounds if rounds is None else rounds
         groups.append((batch, temperature, depth, rounds))
         clock["t"] += 1.0  # each group takes a second
         return 1

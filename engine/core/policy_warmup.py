@@ -33,12 +33,8 @@ from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy, TreeShape
 if TYPE_CHECKING:
     from engine.core.config import EngineConfig, SpeculativeConfig
 
-PROMPT_LEN = 8  # dummy prompt tokens: decode costs hardly depend on the context length
-MAX_BATCH = 256  # larger batches are priced by extrapolating the curves
 SKIPPED = 2  # steps of a group not learned from: the prefill step and the first round (one-off costs)
-ROUNDS = 4  # verify rounds per group
 CACHE_FORMAT = 4  # 4: scheduler/adaptive/costs.py, points without confirmations
-CACHE_MAX_AGE_S = 7 * 24 * 3600  # older profiles are measured again (load, updates, drift)
 _CODE_DIRS = ("engine", "scheduler", "workers")
 
 
@@ -114,7 +110,7 @@ def profile_path(engine: LLMEngine) -> Path | None:
 def load_profile(path: Path, policy: AdaptivePolicy) -> bool:
     """The policy's curves from a profile file; False (nothing changed) if missing, too old, or not ours."""
     try:
-        if time.time() - path.stat().st_mtime > CACHE_MAX_AGE_S:
+        if time.time() - path.stat().st_mtime > policy.config.profile_max_age_s:
             return False
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
@@ -158,9 +154,9 @@ class ProfileKeeper:
     """Writes the live curves back to the profile file, at most every ``every_s`` seconds of steps and at
     shutdown: a restarted server keeps the sizes measured under load instead of paying their explorations."""
 
-    def __init__(self, path: Path, policy: AdaptivePolicy, every_s: float = 60.0) -> None:
-        self.path, self.policy, self.every_s = path, policy, every_s
-        self._due = time.monotonic() + every_s
+    def __init__(self, path: Path, policy: AdaptivePolicy) -> None:
+        self.path, self.policy, self.every_s = path, policy, policy.config.profile_save_s
+        self._due = time.monotonic() + self.every_s
         self._seen = self._clocks()
 
     def _clocks(self) -> tuple[int, int]:
@@ -185,11 +181,11 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
     """Run dummy groups (batch size x regime x forced shape) until ``budget_s`` is spent; the steps run. Per
     batch size both regimes' plain decode and short chain first (what a batch size needs to price any plan),
     then the configured shape."""
-    if budget_s <= 0 or engine.max_model_len < 4 * PROMPT_LEN:
+    if budget_s <= 0 or engine.max_model_len < 4 * policy.config.profile_prompt_len:
         return 0
     tree = policy.base.tree.branching
     shapes = list(dict.fromkeys([(), (1,) * max(1, len(tree) // 2), tree]))
-    top = min(engine.config.scheduler.max_num_seqs, MAX_BATCH)
+    top = min(engine.config.scheduler.max_num_seqs, policy.config.profile_max_batch)
     batches = [1 << i for i in range(top.bit_length()) if 1 << i < top] + [top]
     rng = random.Random(0)
     deadline = time.perf_counter() + budget_s
@@ -215,11 +211,12 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
 
 
 def _group(engine: LLMEngine, policy: AdaptivePolicy, rng: random.Random, batch: int, temperature: float,
-           depth: int, rounds: int = ROUNDS) -> int:
+           depth: int, rounds: int | None = None) -> int:
     """``batch`` dummy requests: a prefill step and ``rounds`` rounds of ``depth``, then aborted."""
     ids = [f"__policy_warmup_{i}" for i in range(batch)]
+    rounds = policy.config.profile_rounds if rounds is None else rounds
     for rid in ids:
-        prompt = [rng.randrange(1, engine.vocab_size) for _ in range(PROMPT_LEN)]
+        prompt = [rng.randrange(1, engine.vocab_size) for _ in range(policy.config.profile_prompt_len)]
         engine.add_request(rid, prompt, SamplingParams(max_tokens=(rounds + SKIPPED) * (depth + 1),
                                                        temperature=temperature, ignore_eos=True))
     steps = 0

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 from scheduler.adaptive.config import AdaptiveConfig
 
-DEFAULT_RATE = 0.7  # the rate of a position before anything is measured
-
 
 @dataclass
 class PositionCounts:
@@ -139,7 +137,7 @@ class AcceptanceTracker:
         w = self.config.prior_weight
         rates: list[float] = []
         for j in range(depth):
-            above = rates[-1] if rates else DEFAULT_RATE
+            above = rates[-1] if rates else self.config.prior_rate
             if widths is None and tree.rounds(j) > 0:
                 above = tree.rate(j, above, w)
             rates.append(chain.rate(j, above, w))

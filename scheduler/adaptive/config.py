@@ -11,7 +11,9 @@ class AdaptiveConfig:
     hysteresis: float = 0.05  # a change (plan, pipelining mode) must win by this much: stability vs reaction
     spec_margin: float = 0.05  # speculating must be predicted this much faster than plain decode: cost errors vs gains
     min_rounds: int = 8  # rounds a regime runs at the configured shape before it is planned: evidence vs early gains
+    search_prices: int = 16  # prefixes the planner prices per depth cap: its own time vs a finer search
     # Acceptance estimates (per position; exponentially weighted counts).
+    prior_rate: float = 0.7  # a position's rate before anything is measured (the first position's prior)
     request_decay: float = 0.8  # a request's memory (~5 rounds): reaction vs noise
     request_idle_decay: float = 0.93  # ... of a depth it no longer reaches: retry a depth vs forget a miss slowly
     engine_decay: float = 0.995  # the engine-wide rates' memory (~200 rounds), the prior of every request
@@ -31,6 +33,12 @@ class AdaptiveConfig:
     explore_stall: float = 3.0  # an exploration longer than this many chosen steps stalls the batch: its budget shrinks
     explore_floor: float = 0.67  # ... and such a plan predicted below this share of the chosen rate is not explored
     explore_odds: float = 2.0  # from plain decode, the budget scales by (plan rate / plain rate) ** this
+    # Start-up profiling and the profile cache.
+    profile_prompt_len: int = 8  # dummy prompt tokens: decode costs hardly depend on the context length
+    profile_max_batch: int = 256  # larger batch sizes are priced by extrapolating the curves
+    profile_rounds: int = 4  # rounds per dummy group after the two not learned from (prefill, first round)
+    profile_max_age_s: float = 7 * 24 * 3600  # a cached profile older than this is measured again (load, drift)
+    profile_save_s: float = 60.0  # the live curves go back to the profile file at most this often (and at shutdown)
     # Pipelining switch.
     switch_samples: int = 3  # steady steps of each mode before the first choice
     switch_give_up: float = 1.3  # ... unless a pipelined one already costs this many times a sequential one

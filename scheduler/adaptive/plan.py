@@ -123,9 +123,6 @@ def plan(reqs: Sequence[Req], costs: CostModel, tree: tuple[int, ...], config: A
     return best
 
 
-_PRICES_PER_CAP = 16  # prefixes priced per depth cap, whatever the batch size (the search's own cost)
-
-
 def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -> Plan:
     """For each depth cap D, the best prefix (by value) of the candidates no deeper than D; the best of those
     if it beats plain decode by ``spec_margin``, else plain decode. Pinned requests keep their shapes."""
@@ -144,8 +141,8 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
         cut = [c for c in cands if c[1] < cap]
         if priced and priced[: len(cut)] == cut:
             continue  # every prefix of it was priced already (batch 1: each cap's cut is a prefix of the deepest)
-        priced = cut if len(cut) <= _PRICES_PER_CAP else []
-        n, rate = _best_prefix(reqs, cut, base, tokens0, costs)
+        priced = cut if len(cut) <= config.search_prices else []
+        n, rate = _best_prefix(reqs, cut, base, tokens0, costs, config.search_prices)
         if n and rate > best_rate:
             best_rate, best_cut = rate, cut[:n]
     if best_cut and best_rate < plain_rate * (1 + config.spec_margin):
@@ -157,14 +154,14 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
 
 
 def _best_prefix(reqs: Sequence[Req], cands: list[tuple[float, int, int]], base: StepLoad, tokens: float,
-                 costs: CostModel) -> tuple[int, float]:
+                 costs: CostModel, prices: int) -> tuple[int, float]:
     """The best non-empty prefix of ``cands`` on top of ``base``: its length and rate. Every prefix is priced
-    in ~``_PRICES_PER_CAP`` strides; no early stop (the first candidates pay the call's fixed part, so the rate
+    in ~``prices`` strides; no early stop (the first candidates pay the call's fixed part, so the rate
     can dip and recover)."""
     load = dataclasses.replace(base, forward_tokens=list(base.forward_tokens), forward_seqs=list(base.forward_seqs))
     reached = [0.0] * len(reqs)  # value of each request's deepest candidate so far
     best_n, best_rate = 0, 0.0
-    stride = max(1, -(-len(cands) // _PRICES_PER_CAP))
+    stride = max(1, -(-len(cands) // prices))
     for n, (neg_value, j, i) in enumerate(cands, start=1):
         r = reqs[i]
         load.verify_tokens += 1
