@@ -27,14 +27,6 @@ def add_group(engine: Any, group: list[list[int]], params: list[SamplingParams],
         engine.add_request(f"{prefix}{j}", p, sp)
 
 
-def _reset_stats(llm: Any) -> None:
-    eng = llm.engine
-    eng.stats.__init__()
-    eng.times.__init__()
-    if eng.pipeline is not None:
-        eng.pipeline.stats.__init__()
-
-
 def _collect_stats(llm: Any, row: Row) -> None:
     eng = llm.engine
     row.breakdown = eng.times.as_dict()
@@ -53,7 +45,7 @@ def engine_run(llm: Any, groups: list[list[list[int]]], max_tokens: int, tempera
     """All groups through the engine, one generate call each; statistics of this run go into ``row``.
     ``seeded``: fixed seeds per request (reproducible; the adaptive policy keeps seeded sampled requests at the
     configured depth, so compare it unseeded)."""
-    _reset_stats(llm)
+    llm.engine.reset_stats()
     outs = []
     for i, group in enumerate(groups):
         outs += [o.token_ids for o in llm.generate(group, _params(group, i, max_tokens, temperature, seeded))]
@@ -74,7 +66,7 @@ def engine_lockstep(llms: dict[str, Any], groups: list[list[list[int]]], max_tok
     wall = dict.fromkeys(llms, 0.0)
     cpu = dict.fromkeys(llms, 0.0)
     for llm in llms.values():
-        _reset_stats(llm)
+        llm.engine.reset_stats()
     for i, group in enumerate(groups):
         params = _params(group, i, max_tokens, temperature, seeded)
         done: dict[str, dict[str, list[int]]] = {m: {} for m in llms}

@@ -34,7 +34,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = open(args.output, "a" if args.resume else "w", encoding="utf-8")  # noqa: SIM115 - closed below
     try:
         total = None if args.no_progress else count_lines(args.input)
-        engine = LLMEngine(EngineArgs.from_cli_args(args).to_engine_config())
+        engine = LLMEngine.create(EngineArgs.from_cli_args(args).to_engine_config())
         try:
             with _sigterm_as_exit(), open(args.input, "rb") as f:
                 summary = run_batch(engine, iter_lines(f), out, defaults, progress=not args.no_progress,

@@ -27,7 +27,7 @@ class LLM:
     def __init__(self, target: str | None = None, speculative_config: str | dict | SpeculativeConfig | None = None,
                  **kwargs: Any) -> None:
         args = EngineArgs(target=target, speculative_config=speculative_config, **kwargs)
-        self.engine = LLMEngine(args.to_engine_config())
+        self.engine = LLMEngine.create(args.to_engine_config())
         # One engine, one caller at a time: requests of two concurrent generate() calls would share the
         # engine's queue and ids, and each call would collect the other's outputs.
         self._lock = threading.Lock()

@@ -37,6 +37,13 @@ class VerifiedRound(Protocol):
     bonus: bool
 
 
+
+class RoundSink(Protocol):
+    """Totals over every request's rounds (engine/core/metrics.py ``SpecDecodingStats``)."""
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool,
+                     branching: tuple[int, ...] = ()) -> None: ...
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests in the running set
@@ -257,8 +264,10 @@ class Scheduler:
             self.waiting.remove(req)
 
     def update_from_output(self, batch: ScheduledBatch, results: Sequence[VerifiedRound], num_drafted: Sequence[int],
-                           num_cached_draft: Mapping[int, int]) -> None:
-        """Apply one step's results, before its tokens are emitted (results: one per round, in order).
+                           num_cached_draft: Mapping[int, int], totals: RoundSink | None = None) -> None:
+        """Apply one step's results, before its tokens are emitted (results: one per round, in order): the one
+        sink of a round's outcome, for the request's counters and statistics, the policy's acceptance estimates
+        and the engine's totals (``totals``).
 
         Prefill chunks become committed. A round commits its in-flight tokens and its accepted path on the
         target; the draft's committed length is what the drafter reports (it follows the draft's own scratch).
@@ -274,6 +283,9 @@ class Scheduler:
             req.num_cached_target = req.num_tokens + len(res.accepted_nodes)
             req.num_cached_draft = num_cached_draft.get(req.seq_id, req.num_cached_draft)
             req.stats.record_round(drafted, len(res.accepted_nodes), len(res.tokens), res.bonus)
+            if totals is not None:
+                totals.record_round(drafted, len(res.accepted_nodes), len(res.tokens), res.bonus,
+                                    branching=shape if drafted else ())
             if self.policy is not None:  # a plain round too: the request's acceptance evidence ages
                 self.policy.observe_round(req, shape if drafted else (), len(res.accepted_nodes) if drafted else 0)
             self.target_blocks.trim(req.seq_id, req.num_cached_target)

@@ -7,9 +7,9 @@ each of those 1: depth 3, 2 + 4 + 4 = 10 nodes. A chain of K tokens is ``(1,) * 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from scheduler.cost_model import StepSample
+from scheduler.adaptive.acceptance import AcceptanceTracker
 from scheduler.request import Request
 
 
@@ -59,7 +59,7 @@ class SpecPolicy:
     """How deep each request's tree goes this round: the configured shape, cut where drafting cannot pay.
 
     Every policy answers ``plan``: the branching of each decoding request's round (``()``: plain decode); the
-    scheduler reserves exactly those nodes. This one is the fixed depth; scheduler/adaptive.py chooses by
+    scheduler reserves exactly those nodes. This one is the fixed depth; scheduler/adaptive/ chooses by
     measured costs and acceptance, ``BatchSizeSchedule`` by vLLM's batch-size table.
     """
 
@@ -68,6 +68,8 @@ class SpecPolicy:
     tree: TreeShape
     max_model_len: int  # the target's context
     draft_max_len: int  # the draft's context: past it the draft still runs but proposes poorly (vLLM stops too)
+    # Measured acceptance (its contents change; the policy does not): the pipelined drafter ranks outcomes by it.
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker, compare=False, repr=False)
 
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
         """No deeper than the tokens the request may still emit (one is the recovered/bonus token), or its
@@ -86,15 +88,16 @@ class SpecPolicy:
         """Each request's round (``prefill``: prompt chunks will share the step)."""
         return [self.tree.branching[: self.cap(r)] for r in reqs]
 
-    # What adaptive policies learn from; the fixed ones ignore it.
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
-        pass
+        self.acceptance.observe(req.seq_id, req.params.greedy, any(w > 1 for w in branching), len(branching),
+                                num_accepted)
 
-    def observe_step(self, sample: StepSample) -> None:
-        pass
+    def reach(self, greedy: bool, depth: int) -> list[float]:
+        """P(at least d candidates accepted), d = 1 .. depth, as measured."""
+        return self.acceptance.reach(greedy, depth)
 
     def forget(self, seq_id: int) -> None:
-        pass
+        self.acceptance.forget(seq_id)
 
 
 @dataclass(frozen=True)

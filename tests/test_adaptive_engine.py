@@ -3,13 +3,14 @@ what the policy measured (tiny random checkpoints, in-process workers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
-from scheduler.cost_model import CostModel, Curve, cost_model_to_dict
+from scheduler.adaptive.costs import CostModel, Curve
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import spec
 
@@ -37,12 +38,12 @@ def _outputs(llama, costs: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[l
     llm = LLM(llama.target, {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 0}, block_size=4)
     policy = llm.engine.scheduler.policy
     assert isinstance(policy, AdaptivePolicy)
-    policy.cost = _costs(*FORCED[costs])
-    policy.sampled_cost = _costs(*FORCED[costs])
-    monkeypatch.setattr(policy, "observe_step", lambda sample: None)  # the forced costs stay
+    policy.costs = _costs(*FORCED[costs])
+    policy.sampled_costs = _costs(*FORCED[costs])
+    monkeypatch.setattr(policy, "observe_step", lambda batch, timing: None)  # the forced costs stay
     # Free choices from the first round: the unseeded request's rounds are random, and with the usual 8-round
     # wait it sometimes finished before the policy chose anything for it (both runs then looked the same).
-    policy.min_rounds = 0
+    policy.config = dataclasses.replace(policy.config, min_rounds=0)
     params = [SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True),  # pinned
               SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True),  # unseeded: adaptive
               SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]  # greedy: adaptive
@@ -74,9 +75,9 @@ def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> Non
                             "adaptive_cost_cache": False}, block_size=4, max_num_seqs=16) as llm:
         engine = llm.engine
         policy = engine.scheduler.policy
-        assert policy.cost.ready and policy.sampled_cost.ready
-        assert len(policy.cost.verify.points) >= 3 and policy.cost.draft_call.ready
-        assert len(policy.cost.draft_by_seqs) >= 2  # the draft's forwards, by the sequences each carried
+        assert policy.costs.ready and policy.sampled_costs.ready
+        assert len(policy.costs.verify.points) >= 3 and policy.costs.draft_call.ready
+        assert len(policy.costs.draft_by_seqs) >= 2  # the draft's forwards, by the sequences each carried
         # Nothing of the dummy sequences remains: statistics, acceptance, requests, the forced shape.
         assert engine.stats.num_rounds == 0 and engine.times.steps == 0 and not engine.has_unfinished
         assert policy.acceptance.engine_rates(True, 1) == [0.7] and policy.forced is None
@@ -117,7 +118,7 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     monkeypatch.setattr(engine, "_step", counted)
     samples = []
     observe = policy.observe_step
-    monkeypatch.setattr(policy, "observe_step", lambda s: (samples.append(s), observe(s))[1])
+    monkeypatch.setattr(policy, "observe_step", lambda b, t: (samples.append((list(b.shapes), t)), observe(b, t))[1])
     greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 17, 24)]
     got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
     got += [o.token_ids for o in llm.generate(PROMPTS[:2], greedy[:2])]  # the first batch's dropped ids travel
@@ -125,10 +126,10 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     assert steps["plain"] >= 10 and all(m.seqs or m.prefills for m in calls), (steps, len(calls))
     assert any(m.finished for m in calls)
     # the draft worker timed each forward of a drafting step apart (the cost model prices each at its size)
-    drafting = [s for s in samples if s.draft_forward_tokens]
-    assert drafting and all(len(s.draft_forward_s) == len(s.draft_forward_tokens) and min(s.draft_forward_s) > 0
-                            and sum(s.draft_forward_s) <= s.draft_worker_s for s in drafting)
-    assert all(not s.draft_forward_s for s in samples if not s.draft_forward_tokens)
+    drafting = [(max(map(len, shapes)), t) for shapes, t in samples if any(shapes)]
+    assert drafting and all(len(t.draft_forward_s) == depth and min(t.draft_forward_s) > 0
+                            and sum(t.draft_forward_s) <= t.draft_worker_s for depth, t in drafting)
+    assert all(not t.draft_forward_s for shapes, t in samples if not any(shapes))
     with LLM(llama.target, None, block_size=4) as plain:
         want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
         want += [o.token_ids for o in plain.generate(PROMPTS[:2], greedy[:2])]
@@ -170,7 +171,6 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     """The first engine profiles and writes its curves; a second one of the same setup reads them instead of
     profiling, with the same greedy output; another setup, a cache turned off, and an unreadable file profile."""
     import engine.core.policy_warmup as warmup
-    from scheduler.cost_model import cost_model_to_dict
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     profiled: list[int] = []
@@ -182,7 +182,7 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     def start(config: dict, max_num_seqs: int = 8) -> tuple[dict, list[list[int]]]:
         with LLM(llama.target, config, block_size=4, max_num_seqs=max_num_seqs) as llm:
             policy = llm.engine.scheduler.policy
-            curves = {"greedy": cost_model_to_dict(policy.cost), "sampled": cost_model_to_dict(policy.sampled_cost)}
+            curves = {"greedy": policy.costs.to_dict(), "sampled": policy.sampled_costs.to_dict()}
             return curves, [o.token_ids for o in llm.generate(PROMPTS, greedy)]
 
     first, out = start(cfg)
@@ -197,7 +197,7 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     assert len(profiled) == 2 and len(list(tmp_path.glob("policy-costs-*.json"))) == 2
     start({**cfg, "adaptive_cost_cache": False})
     assert len(profiled) == 3
-    path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1, 0]]}}}')  # not ours: ignored
+    path.write_text('{"format": 1, "greedy": {"verify": {"points": [[0, "x", 1]]}}}')  # not ours: ignored
     start(cfg)
     assert len(profiled) == 4 and json.loads(path.read_text())["greedy"]["verify"]["points"]  # and rewritten
 
@@ -224,14 +224,14 @@ def test_what_the_live_steps_measure_goes_back_to_the_profile(llama, tmp_path, m
         llm.generate(PROMPTS[:2], greedy)  # batch 2: a bucket of its own
         live = on_file()
         assert live != profiled and "1" in live["verify_by_seqs"]  # written during the steps
-        assert live == cost_model_to_dict(llm.engine.scheduler.policy.cost)
+        assert live == llm.engine.scheduler.policy.costs.to_dict()
         llm.generate(PROMPTS[:1], greedy)
         keeper.every_s = keeper._due = 1e9  # nothing more during steps: what follows is shutdown's
         llm.generate(PROMPTS, greedy)
-        final = cost_model_to_dict(llm.engine.scheduler.policy.cost)
+        final = llm.engine.scheduler.policy.costs.to_dict()
     assert on_file() == final != live
     with LLM(llama.target, cfg, block_size=4, max_num_seqs=3) as llm:  # starts from them (no profiling)
-        assert cost_model_to_dict(llm.engine.scheduler.policy.cost) == final
+        assert llm.engine.scheduler.policy.costs.to_dict() == final
 
 
 def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,7 +251,8 @@ def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.Mo
     clock = {"t": 0.0}
     groups: list[tuple[int, float, int, int]] = []
 
-    def group(engine, rng, batch, temperature, depth, rounds=warmup.ROUNDS) -> int:
+    def group(engine, policy, rng, batch, temperature, depth, rounds=None) -> int:
+        rounds = policy.config.profile_rounds if rounds is None else rounds
         groups.append((batch, temperature, depth, rounds))
         clock["t"] += 1.0  # each group takes a second
         return 1
@@ -259,7 +260,7 @@ def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.Mo
     monkeypatch.setattr(warmup, "_group", group)
     monkeypatch.setattr(warmup, "time", SimpleNamespace(perf_counter=lambda: clock["t"]))
     fake = SimpleNamespace(max_model_len=1024, config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=16)),
-                           stats=SimpleNamespace(), times=SimpleNamespace())
+                           reset_stats=lambda: None)
     policy = AdaptivePolicy(SpecPolicy(TreeShape((2, 1, 1, 1)), 1024, 1024))
     warmup.profile(fake, policy, 4.5)
     assert groups[0] == (1, 0.0, 4, 1)  # the one-off costs: one round of the configured shape, forgotten
@@ -274,16 +275,14 @@ def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.Mo
 
 
 def test_cost_curves_survive_a_round_trip_and_bad_points_are_refused() -> None:
-    from scheduler.cost_model import cost_model_from_dict, cost_model_to_dict, curve_from_dict
-
     m = _costs(lambda n: 2 * MS + 0.1 * MS * n, lambda n: 0.3 * MS * n)
     m.verify_by_seqs[2] = _curve(lambda n: 3 * MS * n)
     m.draft_by_seqs[5] = _curve(lambda n: 9 * MS + 0.5 * MS * n)
-    back = cost_model_from_dict(json.loads(json.dumps(cost_model_to_dict(m))))
+    back = CostModel.from_dict(json.loads(json.dumps(m.to_dict())))
     for x in (1, 3, 50, 300):
         assert back.verify_seconds(x, 4) == m.verify_seconds(x, 4)
-        assert back.draft_seconds([x, x], [32, 8]) == m.draft_seconds([x, x], [32, 8]) > m.draft_seconds([x, x])
-    for bad in ([[3, 1.0, 0.5, 0]],  # the point is not in its bucket
-                [[0, 1.0, float("nan"), 0]], [[0, 1.0, -1.0, 0]], [[0, "1", 0.5, 0]]):
+        assert back.draft_seconds([x, x], [32, 8]) == m.draft_seconds([x, x], [32, 8]) > m.draft_seconds([x, x], [])
+    for bad in ([[3, 1.0, 0.5]],  # the point is not in its bucket
+                [[0, 1.0, float("nan")]], [[0, 1.0, -1.0]], [[0, "1", 0.5]], [[0, 1.0, 0.5, 0]]):
         with pytest.raises(ValueError):
-            curve_from_dict({"points": bad})
+            CostModel.from_dict({**m.to_dict(), "verify": {"points": bad}})

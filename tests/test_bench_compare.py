@@ -73,13 +73,12 @@ def test_unseeded_runs_send_no_seed(seeded: bool) -> None:
     sent = []
 
     class FakeLLM:
-        engine = SimpleNamespace(stats=SimpleNamespace(), times=SimpleNamespace(), pipeline=None)
+        engine = SimpleNamespace(reset_stats=lambda: None, pipeline=None)
 
         def generate(self, prompts, params):
             sent.extend(params)
             return [SimpleNamespace(token_ids=[1]) for _ in prompts]
 
-    FakeLLM.engine.stats.__init__ = lambda: None
     engine_run(FakeLLM(), [[[1, 2]], [[3]]], 4, 0.8, None, seeded=seeded)
     assert [p.seed for p in sent] == ([0, 1000] if seeded else [None, None])
 
@@ -114,9 +113,11 @@ class _SteppingEngine:
 
     def __init__(self, name: str, step_s: float, steps: int, log: list[str]) -> None:
         self.name, self.step_s, self.steps, self.log = name, step_s, steps, log
-        self.stats = SimpleNamespace(__init__=lambda: None)
-        self.times = SimpleNamespace(__init__=lambda: None, as_dict=dict)
+        self.stats, self.times = SimpleNamespace(), SimpleNamespace(as_dict=dict)
         self.pipeline, self.config, self.left = None, SimpleNamespace(speculative=None), {}
+
+    def reset_stats(self) -> None:
+        pass
 
     def add_request(self, request_id, prompt, params) -> None:
         self.left[request_id] = (self.steps, prompt)

@@ -12,17 +12,16 @@ q^(1/2), renormalised) must fail.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
-import engine.core.llm_engine
+import engine.core.policy_warmup
 from engine.llm import LLM
 from scheduler.adaptive import AdaptivePolicy
-from scheduler.cost_model import CostModel, Curve
+from scheduler.adaptive.costs import CostModel, Curve
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import SMALL_VOCAB, marked_slow, random_plans, spec
 
@@ -191,17 +190,23 @@ def _flat(seconds: float) -> Curve:
     return c
 
 
-@dataclasses.dataclass
 class _MemoryBoundPolicy(AdaptivePolicy):
     """The adaptive policy planning on hand-made memory-bound costs (verify flat, draft forwards cheap), so that it
     speculates whatever this machine's step times: on measured ones a batch of 1500 requests whose tiny draft
     accepts ~25 % is fairly planned as plain decode, and the law of the policy's rounds would go untested."""
 
-    def observe_step(self, sample) -> None:  # noqa: ANN001 - the costs stay hand-made
+    def observe_step(self, batch, timing) -> None:  # noqa: ANN001 - the costs stay hand-made
         pass
 
-    def _regime_cost(self, rs) -> CostModel:  # noqa: ANN001
+    @property
+    def costs(self) -> CostModel:
         return CostModel(verify=_flat(0.05), draft=_flat(0.001), state=_flat(0.0))
+
+    @costs.setter
+    def costs(self, value: CostModel) -> None:  # profiling and the profile cache leave the hand-made costs
+        pass
+
+    sampled_costs = costs
 
 
 @pytest.mark.parametrize("case", sorted(CASES) + marked_slow(sorted(ADAPTIVE_CASES), ADAPTIVE_CASES))
@@ -215,7 +220,7 @@ def test_speculative_output_follows_the_target_law(small_vocab, target_logits, c
         # The harness seeds its requests (a deterministic test), and the policy pins seeded sampled requests to the
         # configured depth for reproducibility: plan them like unseeded ones, so the measured depths are tested.
         monkeypatch.setattr(AdaptivePolicy, "pinned", staticmethod(lambda req: False))
-        monkeypatch.setattr(engine.core.llm_engine, "AdaptivePolicy", _MemoryBoundPolicy)
+        monkeypatch.setattr(engine.core.policy_warmup, "AdaptivePolicy", _MemoryBoundPolicy)
     samples, llm = sample_engine(target, spec(draft, None, branching, mode, adaptive=case in ADAPTIVE_CASES), laws)
     stats = llm.engine.stats
     # The rounds really speculated, accepting some candidates and rejecting others.

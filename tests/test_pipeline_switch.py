@@ -18,8 +18,8 @@ def _drive(sw: PipelineSwitch, key, cost: dict[bool, float], steps: int) -> list
     return modes
 
 
-def test_regime_buckets():
-    assert [regime(False, b)[1] for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+def test_regime_buckets_are_the_cost_curves_octaves():
+    assert [regime(False, b)[1] for b in (1, 2, 3, 4, 5, 8, 11, 12, 16)] == [0, 1, 2, 2, 2, 3, 3, 4, 4]
     assert regime(True, 1) != regime(False, 1)
 
 
@@ -33,7 +33,7 @@ def test_turns_pipelining_off_where_it_cannot_pay_and_on_where_it_does():
     modes = _drive(sw, key, {PIPELINED: 0.7, SEQUENTIAL: 1.0}, 100)
     assert modes[-1] is PIPELINED and sum(modes[-20:]) >= 17
     # Another regime is learned apart.
-    assert _drive(sw, regime(True, 1), {PIPELINED: 0.8, SEQUENTIAL: 1.0}, 60)[-1] is PIPELINED
+    assert sum(_drive(sw, regime(True, 1), {PIPELINED: 0.8, SEQUENTIAL: 1.0}, 60)[-20:]) >= 15
 
 
 def test_exploring_a_much_costlier_mode_spends_little_time():
@@ -43,7 +43,7 @@ def test_exploring_a_much_costlier_mode_spends_little_time():
     modes = _drive(sw, key, cost, 1000)
     assert modes[:3] == [SEQUENTIAL] * 3 and sum(modes[:10]) <= 2  # learning gave up after one steady step
     spent = [cost[m] for m in modes[10:]]
-    assert sum(c for c, m in zip(spent, modes[10:], strict=True) if m) / sum(spent) < 2.5 * sw.explore_budget
+    assert sum(c for c, m in zip(spent, modes[10:], strict=True) if m) / sum(spent) < 2.5 * sw.config.explore_budget
 
 
 def test_hysteresis_near_equal_modes_do_not_flap():
@@ -55,8 +55,8 @@ def test_hysteresis_near_equal_modes_do_not_flap():
         m = sw.choose(key)
         sw.observe(key, m, m == last, 3 * rng.uniform(0.97, 1.03), 3)
         last = m
-    g = sw._regimes[key]
-    assert g.switches == 0 and g.mode is SEQUENTIAL  # the tie goes to the mode that costs no core
+    (row,) = sw.as_dict().values()
+    assert row["switches"] == 0 and row["mode"] == "sequential"  # the tie goes to the mode that costs no core
 
 
 def test_disabled_is_always_pipelined_and_force_overrides():

@@ -31,7 +31,7 @@ def measure(models: Path, ks: list[int], temperatures: list[float], num_prompts:
         llm = LLM(str(models / target), speculative_config={"model": str(models / "draft"),
                                                                "num_speculative_tokens": k})
         for temp in temperatures:
-            llm.engine.stats.__init__()
+            llm.engine.reset_stats()
             params = [SamplingParams(max_tokens=max_tokens, temperature=temp, seed=i, ignore_eos=True)
                       for i in range(len(prompts))]
             start = time.perf_counter()

@@ -15,8 +15,8 @@ from workers.worker_config import WorkerConfig
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[1] / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
-# ... and the adaptive policy's maximum: the measured best fixed depth at batch 1 on the built-in pair was 6-8
-# (benchmarks/results/adaptive-2026-12-02b/builtin-b1.txt); the policy goes shallower where that pays.
+# ... and the adaptive policy's maximum: deep enough for a well-matched pair at batch 1 (the built-in pair's
+# best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
 SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
@@ -84,7 +84,7 @@ class SpeculativeConfig:
       thread beside the target (engine/execution/draft_process.py); ``draft_cores`` / ``target_cores``: CPU cores each
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
-      tree) per request from measured costs and acceptance (scheduler/adaptive.py); default true unless
+      tree) per request from measured costs and acceptance (docs/adaptive.md); default true unless
       ``num_speculative_tokens_per_batch_size`` fixes the schedule; false runs ``num_speculative_tokens`` (and
       the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
       depend on the depths; a seed must reproduce them);

@@ -16,9 +16,10 @@ import time
 
 from engine.core.compat import check_draft_compatible
 from engine.core.config import EngineConfig
-from engine.core.metrics import SpecDecodingStats, StepTimes
+from engine.core.intake import prompt_token_ids, resume
+from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
-from engine.core.policy_warmup import ProfileKeeper, warm_up_policy
+from engine.core.policy_warmup import ProfileKeeper, build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.pipelined_drafter import PipelinedDrafter
@@ -27,12 +28,10 @@ from engine.execution.faults import WorkerDiedError
 from engine.execution.recovery import Recovery
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.block_manager import BlockManager
-from scheduler.cost_model import StepSample
 from scheduler.request import FinishReason, Request
 from scheduler.reset import draft_refilled, requeue_all
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch, Scheduler
-from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy
 from workers.loader import load_tokenizer
 from workers.messages import DraftStep, DraftTree, PrefillSeq, TargetStep, TargetStepOutput, VerifySeq
 from workers.model_config import ModelConfig
@@ -87,14 +86,7 @@ class LLMEngine:
                                       draft_cfg, **(spec.process_options if spec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
-        policy = None
-        if spec is not None:
-            policy = SpecPolicy(self.tree, self.max_model_len, self.draft_max_len)
-            if spec.batch_size_schedule is not None:
-                policy = BatchSizeSchedule(self.tree, self.max_model_len, self.draft_max_len,
-                                           spec.batch_size_schedule)
-            elif spec.is_adaptive:
-                policy = AdaptivePolicy(policy)
+        policy = build_policy(spec, self.tree, self.max_model_len, self.draft_max_len) if spec is not None else None
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
@@ -118,8 +110,31 @@ class LLMEngine:
                          if hasattr(self.executor, "begin_restart") else None)
         # What the adaptive policy learns goes back to its profile file (engine/core/policy_warmup.py).
         self.profile_keeper: ProfileKeeper | None = None
-        if isinstance(policy, AdaptivePolicy):  # seed its cost curves before the first user request
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> LLMEngine:
+        """A built and warmed engine: what the LLM API, the CLI and the server run."""
+        engine = cls(config)
+        try:
+            engine.warm_up()
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def warm_up(self) -> None:
+        """Seed the adaptive policy's cost curves (profile cache, else start-up profiling) before user requests;
+        nothing for other policies. Call once, on a built engine with no requests."""
+        policy, spec = self.scheduler.policy, self.config.speculative
+        if isinstance(policy, AdaptivePolicy) and self.profile_keeper is None:
             self.profile_keeper = warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
+
+    def reset_stats(self) -> None:
+        """Start the engine's statistics and step times over (e.g. after warm-up or a benchmark's first pass)."""
+        reset(self.stats)
+        reset(self.times)
+        if self.pipeline is not None:
+            reset(self.pipeline.stats)
 
     def _new_drafter(self) -> Drafter:
         spec = self.config.speculative
@@ -127,8 +142,11 @@ class LLMEngine:
             return NoDrafter()
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:
-            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, self.stats, spec.pipeline_width)
+            policy = self.scheduler.policy
+            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, policy.reach, spec.pipeline_width)
             self.pipeline.switch.enabled = spec.pipeline_switch
+            if isinstance(policy, AdaptivePolicy):
+                self.pipeline.switch.config = policy.config
             return self.pipeline
         return SequentialDrafter(calls, lazy_prefill=self.scheduler.lazy_draft_prefill)
 
@@ -146,17 +164,7 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
         params.validate(self.vocab_size)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send prompt_token_ids instead")
-            token_ids = self._encode(prompt)
-        else:
-            token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: must contain at least one token")
-        bad = _out_of_vocab(token_ids, self.vocab_size)
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use by an unfinished request")
@@ -172,21 +180,11 @@ class LLMEngine:
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         checker = StopChecker(stop_ids, params.stop, self.tokenizer)  # may refuse: before anything is queued
         if output_token_ids:
-            _resume(req, checker, output_token_ids, self.vocab_size, self.max_model_len)
+            resume(req, checker, output_token_ids, self.vocab_size, self.max_model_len)
         self.scheduler.add(req)
         self._stop[req.seq_id] = checker
         self._requests[request_id] = req
         return req
-
-    def _encode(self, prompt: str) -> list[int]:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"), e.g. from a JSON escape
-            raise ValueError(f"prompt: not valid Unicode text ({e.reason} at character {e.start})") from None
-        try:
-            return list(self.tokenizer.encode(prompt))
-        except Exception as e:  # the tokenizer refuses this one prompt; the engine and its batch are fine
-            raise ValueError(f"prompt: the tokenizer refused it ({type(e).__name__}: {e})") from None
 
     def withdraw_queued(self, req: Request) -> None:
         """Take back a request that ``add_request`` queued and no step has scheduled yet (no delta for it)."""
@@ -287,12 +285,11 @@ class LLMEngine:
 
     def _step(self) -> None:
         policy = self.scheduler.policy
-        learns = policy is not None and policy.measures_costs  # only the adaptive policy reads step times
-        before = dataclasses.replace(self.times) if learns else None
+        timed = policy is not None and policy.measures_costs  # only the adaptive policy learns step times
+        before = dataclasses.replace(self.times) if timed else None
         clock = self.times.clock()
-        # schedule: who runs, how deep each tree goes, KV reserved
         holding = self.config.speculative is not None and not self.draft_up
-        batch = self.scheduler.schedule(self._needs_draft) if holding else self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._needs_draft) if holding else self.scheduler.schedule()  # schedule
         finished_ids = self._take_finished()
         clock.lap("schedule_s")
         if batch.empty and holding:  # every request that could run waits for the draft: no worker call
@@ -300,8 +297,7 @@ class LLMEngine:
             self._requeued_ids += [r.seq_id for r in batch.preempted]
             time.sleep(_HELD_IDLE_S)  # the replacement draft is loading: leave it the CPU
             return
-        sample = self._step_shape(batch) if learns else None  # what the step runs, before the counters move
-        if learns:
+        if timed:
             self._draft_calls.forward_s = []
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
@@ -310,49 +306,15 @@ class LLMEngine:
         self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
         out = self.executor.wait_target()
         clock.lap("verify_wall_s", verify_s=out.elapsed_s)
-        num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side ...
+        num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side, then the outcome
         clock.lap("collect_s")
-        drafted = [t.num_nodes for t in trees]
-        self.scheduler.update_from_output(batch, out.results, drafted, num_cached_draft)  # ... and the counters
-        for n, res, shape in zip(drafted, out.results, batch.shapes, strict=True):
-            self.stats.record_round(n, res.num_accepted, len(res.tokens), res.bonus)
-            self.stats.record_choice(shape if n else ())
+        self.scheduler.update_from_output(batch, out.results, [t.num_nodes for t in trees], num_cached_draft,
+                                          self.stats)
         self._emit_step(batch, out)  # emit
         clock.lap("commit_s")
-        if learns:  # the adaptive policy's cost model learns the measured times
-            policy.observe_step(self._timed(sample, before))
-
-    def _timed(self, sample: StepSample, before: StepTimes) -> StepSample:
-        """``sample`` with the step's measured times: what ``self.times`` gained since ``before``."""
-        t = self.times
-        sample.verify_s = t.verify_wall_s - before.verify_wall_s
-        sample.draft_s = t.draft_wall_s - before.draft_wall_s + t.collect_s - before.collect_s
-        if self.pipeline is None:  # sequential: the worker's own share is known apart (pipelined: hidden)
-            sample.draft_worker_s = t.draft_s - before.draft_s
-            sample.draft_forward_s = list(self._draft_calls.forward_s)
-        sample.state_s = t.schedule_s - before.schedule_s + t.commit_s - before.commit_s
-        return sample
-
-    @staticmethod
-    def _step_shape(batch: ScheduledBatch) -> StepSample:
-        """Tokens of the step's target forward and of each draft forward (times filled in after the step)."""
-        prefill = verify = sum(c.end - c.start for c in batch.prefills)
-        forwards: list[int] = []
-        seqs: list[int] = []  # of each forward: the requests whose tree reaches past its level
-        for r, shape in zip(batch.rounds, batch.shapes, strict=True):
-            level = 1
-            verify += r.num_tokens - r.num_cached_target
-            for f, w in enumerate(shape):  # as scheduler/plan_search.py prices it
-                if len(forwards) <= f:
-                    forwards.append(0)
-                    seqs.append(0)
-                forwards[f] += max(1, r.num_tokens - r.num_cached_draft) if f == 0 else level
-                seqs[f] += 1
-                level *= w
-                verify += level
-        return StepSample(verify, 0.0, forwards, 0.0, bool(batch.prefills), len(batch.rounds) + len(batch.prefills),
-                          0.0, sampled=any(not r.params.greedy for r in batch.rounds), prefill_tokens=prefill,
-                          draft_forward_seqs=seqs)
+        if timed:  # the cost model learns the step the policy planned
+            forward_s = None if self.pipeline is not None else list(self._draft_calls.forward_s)
+            policy.observe_step(batch, self.times.timing_since(before, bool(batch.prefills), forward_s))
 
     def _target_step(self, batch: ScheduledBatch, trees: list[DraftTree], finished_ids: list[int]) -> TargetStep:
         tables = self.scheduler.target_blocks.tables
@@ -435,24 +397,3 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                              self._stop[req.seq_id].text, req.finish_reason.value if req.finish_reason else None,
                              req.finished, req.stats.as_dict())
-
-
-def _out_of_vocab(token_ids: list, vocab_size: int) -> list:
-    """The entries that are not token ids of this vocabulary (bools and non-integers included)."""
-    return [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
-
-
-def _resume(req: Request, checker: StopChecker, output: list[int], vocab_size: int, max_model_len: int) -> None:
-    """Give a new request the output an earlier engine produced: it is re-prefilled with prompt + output (like
-    a preempted request) and its detokenizer replays the output, so the text it sends next is exactly what
-    follows the text already sent (nothing repeated, stop strings still found across the seam)."""
-    out = list(output)
-    if _out_of_vocab(out, vocab_size):
-        raise ValueError(f"output_token_ids: outside the vocabulary [0, {vocab_size})")
-    if len(out) >= req.params.max_tokens or len(req.prompt_token_ids) + len(out) >= max_model_len:
-        raise ValueError(f"output_token_ids: {len(out)} tokens already reach the request's limit "
-                         f"(max_tokens={req.params.max_tokens}, context {max_model_len})")
-    checker.truncate(out, len(out))  # replays the detokenizer; these tokens did not stop the request before
-    checker.take_text(False)  # what the earlier engine already handed out
-    req.output_token_ids = out
-    req.stats.first_token_time = req.stats.arrival_time

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
+from scheduler.adaptive.costs import StepTiming
 from scheduler.request import RoundStats
+
+
+def reset(stats: object) -> None:
+    """Every field of a stats dataclass back to its default, in place (others hold a reference to it)."""
+    for f in fields(stats):
+        setattr(stats, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
 
 
 def _depth(key: str) -> int:
@@ -19,6 +26,11 @@ class SpecDecodingStats(RoundStats):
     the distribution of the speculation policy's choices (rounds per depth; "tree:2x1" for a tree shape)."""
 
     chosen_depths: dict[str, int] = field(default_factory=dict)
+
+    def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool,
+                     branching: tuple[int, ...] = ()) -> None:
+        super().record_round(drafted, accepted, emitted, bonus)
+        self.record_choice(branching)
 
     def record_choice(self, branching: tuple[int, ...]) -> None:
         key = f"tree:{'x'.join(map(str, branching))}" if any(w > 1 for w in branching) else str(len(branching))
@@ -58,6 +70,16 @@ class StepTimes:
         self.steps += 1
         return StepClock(self, time.perf_counter())
 
+    def timing_since(self, before: StepTimes, draft_prefill: bool, forward_s: list[float] | None) -> StepTiming:
+        """The step timed since ``before``, split as the cost model prices it. ``forward_s``: the draft worker's
+        seconds of each forward (None when pipelined: the worker's share is hidden)."""
+        return StepTiming(
+            verify_s=self.verify_wall_s - before.verify_wall_s,
+            draft_s=self.draft_wall_s - before.draft_wall_s + self.collect_s - before.collect_s,
+            state_s=self.schedule_s - before.schedule_s + self.commit_s - before.commit_s,
+            draft_prefill=draft_prefill,
+            draft_worker_s=None if forward_s is None else self.draft_s - before.draft_s,
+            draft_forward_s=forward_s)
 
     @property
     def messaging_s(self) -> float:

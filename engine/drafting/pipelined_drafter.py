@@ -35,9 +35,9 @@ cost per token): ``overlap`` pre-drafts nothing, so the next step drafts every r
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.metrics import SpecDecodingStats
 from engine.drafting.drafter import NO_TREE, DraftCalls, keep_drafted
 from engine.drafting.pipeline_switch import PipelineSwitch, regime
 from scheduler.scheduler import ScheduledBatch
@@ -198,7 +198,8 @@ class PipelinedDrafter:
     calls: DraftCalls
     tree: TreeShape
     draft_max_len: int  # the draft's context: no pre-draft that may pass it
-    acceptance: SpecDecodingStats  # measured acceptance, read to rank the predicted outcomes
+    # The policy's acceptance: P(at least d accepted), d = 1 .. depth, for a greedy (True) or sampled request.
+    reach: Callable[[bool, int], list[float]]
     width: int = 2  # predicted outcomes pre-drafted per request
     stats: PipelineStats = field(default_factory=PipelineStats)
     costs: OutcomeCosts = field(default_factory=OutcomeCosts)
@@ -271,14 +272,14 @@ class PipelinedDrafter:
             # depth is not known yet, and any shorter chain is a prefix of it.
             branching = self.tree.branching if any(w > 1 for w in shape) else (1,) * self.tree.depth
             seq = self.calls.seq(r, base, list(branching), anchors=[])
-            self._predict(seq, tree)
+            self._predict(seq, tree, r.params.greedy)
             msg.seqs.append(seq)
             self._inflight[r.seq_id] = _PreDraft(base, seq.token_ids, branching)  # result filled in by commit
         self._predraft_sent = bool(msg.seqs or msg.commits)
         if self._predraft_sent:
             self.calls.submit(msg)
 
-    def _predict(self, seq: DraftSeq, tree: DraftTree) -> None:
+    def _predict(self, seq: DraftSeq, tree: DraftTree, greedy: bool) -> None:
         """The round in flight as prediction nodes (its likely path), and one guess point per way it can end:
         rejected at depth d (the next token off the children tried there) or all accepted (a bonus token), each
         weighted by its measured probability; the worker picks the outcomes by expected value vs cost."""
@@ -289,7 +290,7 @@ class PipelinedDrafter:
             seq.pred_parents.append(d - 1)
         if self.width == 0:
             return
-        at = [1.0] + self._acceptance(len(path))  # at[d] = P(at least d tokens accepted)
+        at = [1.0] + self.reach(greedy, len(path))  # at[d] = P(at least d tokens accepted)
         for d in range(len(path) + 1):
             weight = at[d] - at[d + 1] if d < len(path) else at[-1]
             tried = [] if d == len(path) else children[path[d - 1] + 1] if d > 0 else children[0]
@@ -297,13 +298,6 @@ class PipelinedDrafter:
                                          weight=max(weight, 0.0)))
         seq.outcome_budget = self.width
         seq.outcome_min_value = self.costs.min_value()
-
-    def _acceptance(self, depth: int) -> list[float]:
-        """P(at least d accepted) for d = 1..depth: measured, or a prior of 0.7 per token before any round."""
-        if self.acceptance.num_rounds < 8:
-            return [0.7 ** d for d in range(1, depth + 1)]
-        rates = self.acceptance.acceptance_per_position
-        return [rates[d - 1] if d - 1 < len(rates) else 0.0 for d in range(1, depth + 1)]
 
     # ---------------------------------------------------------------------------------------- after verify
     def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:

@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     job_store.claim()  # a second server on the same directory is refused here, before its model loads
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
-    engine = LLMEngine(config)
+    engine = LLMEngine.create(config)
     try:
         metrics = ServerMetrics(name)
         collector = None
@@ -110,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 collector.stats = new.recovery.stats
 
         async_engine = AsyncEngine(engine, max_queue=args.max_queue, retry_after_s=args.retry_after,
-                                   metrics=metrics, engine_factory=lambda: LLMEngine(config),
+                                   metrics=metrics, engine_factory=lambda: LLMEngine.create(config),
                                    max_engine_restarts=args.max_engine_restarts, on_new_engine=on_new_engine)
         tokenizer = load_tokenizer(config.tokenizer or config.target)
         # Twice the running set in flight by default: the engine stays full of batch work, its waiting queue short.
