@@ -202,38 +202,6 @@ def test_a_restart_of_the_same_setup_takes_the_cached_profile(llama, tmp_path, m
     assert len(profiled) == 4 and json.loads(path.read_text())["greedy"]["verify"]["points"]  # and rewritten
 
 
-def test_what_the_live_steps_measure_goes_back_to_the_profile(llama, tmp_path, monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
-    """Curves learned from user steps reach the profile file while the engine runs (a killed engine keeps them)
-    and at shutdown; the next engine of the same setup starts from them, not from the start-up profile."""
-    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    cfg = {**spec(llama.perturbed, K, adaptive=True), "adaptive_warmup_s": 1}
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def on_file() -> dict:
-        (path,) = tmp_path.glob("policy-costs-*.json")
-        return json.loads(path.read_text())["greedy"]
-
-    with LLM(llama.target, cfg, block_size=4, max_num_seqs=3) as llm:
-        keeper = llm.engine.profile_keeper
-        assert keeper is not None
-        profiled = on_file()
-        llm.generate(PROMPTS, greedy)  # batch 3: a size the profiling (batches 1 and 3) measured, now again
-        assert on_file() == profiled  # not a minute of steps yet
-        keeper.every_s, keeper._due = 0.0, 0.0
-        llm.generate(PROMPTS[:2], greedy)  # batch 2: a bucket of its own
-        live = on_file()
-        assert live != profiled and "1" in live["verify_by_seqs"]  # written during the steps
-        assert live == llm.engine.scheduler.policy.costs.to_dict()
-        llm.generate(PROMPTS[:1], greedy)
-        keeper.every_s = keeper._due = 1e9  # nothing more during steps: what follows is shutdown's
-        llm.generate(PROMPTS, greedy)
-        final = llm.engine.scheduler.policy.costs.to_dict()
-    assert on_file() == final != live
-    with LLM(llama.target, cfg, block_size=4, max_num_seqs=3) as llm:  # starts from them (no profiling)
-        assert llm.engine.scheduler.policy.costs.to_dict() == final
-
-
 def test_the_profiling_measures_what_any_plan_needs_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget that runs out after a few groups (a slow model) still leaves each regime's curves able to price a
     plan: per batch size (one per log2 bucket: 1, 2, 4, ...), plain decode and the short chain of the greedy

@@ -7,8 +7,7 @@ curves keep them) and regimes (greedy, sampled), within a time budget; each step
 curves exactly as user steps will. What the random prompts teach about acceptance, and the engine's statistics,
 are dropped afterwards. The curves are kept in ``$SPECSERVE_CACHE_DIR`` (else ``~/.cache/specserve``), keyed by
 everything that sets the step costs (checkpoints, shapes, placement, torch, this code, the host); an engine
-started again with the same key within a week reads them instead of profiling, and the live steps write what
-they learn back (``ProfileKeeper``: every minute of steps and at shutdown).
+started again with the same key within a week reads them instead of profiling.
 """
 
 from __future__ import annotations
@@ -136,45 +135,16 @@ def save_profile(path: Path, policy: AdaptivePolicy) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float, cache: bool = True
-                   ) -> ProfileKeeper | None:
-    """The curves from the profile of this setup if cached, else profiled here and cached; what keeps the file
-    current from the live steps (None without a cache). ``budget_s`` <= 0: learn from the first requests."""
+def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float, cache: bool = True) -> None:
+    """The curves from the profile of this setup if cached, else profiled here and cached. ``budget_s`` <= 0:
+    learn from the first requests."""
     if budget_s <= 0:
-        return None
+        return
     path = profile_path(engine) if cache else None
     if path is None or not load_profile(path, policy):
         steps = profile(engine, policy, budget_s)
         if path is not None and steps and policy.costs.ready:
             save_profile(path, policy)
-    return ProfileKeeper(path, policy) if path is not None else None
-
-
-class ProfileKeeper:
-    """Writes the live curves back to the profile file, at most every ``every_s`` seconds of steps and at
-    shutdown: a restarted server keeps the sizes measured under load instead of paying their explorations."""
-
-    def __init__(self, path: Path, policy: AdaptivePolicy) -> None:
-        self.path, self.policy, self.every_s = path, policy, policy.config.profile_save_s
-        self._due = time.monotonic() + self.every_s
-        self._seen = self._clocks()
-
-    def _clocks(self) -> tuple[int, int]:
-        return self.policy.costs.verify.clock, self.policy.sampled_costs.verify.clock
-
-    def tick(self) -> None:
-        if time.monotonic() >= self._due:
-            self.save()
-
-    def save(self) -> None:
-        self._due = time.monotonic() + self.every_s
-        clocks = self._clocks()
-        if clocks != self._seen and self.policy.costs.ready:
-            try:
-                save_profile(self.path, self.policy)
-            except RuntimeError:  # a shutdown from another thread raced a step's update: the next write has it
-                return
-            self._seen = clocks
 
 
 def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:

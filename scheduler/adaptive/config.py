@@ -38,7 +38,6 @@ class AdaptiveConfig:
     profile_max_batch: int = 256  # larger batch sizes are priced by extrapolating the curves
     profile_rounds: int = 4  # rounds per dummy group after the two not learned from (prefill, first round)
     profile_max_age_s: float = 7 * 24 * 3600  # a cached profile older than this is measured again (load, drift)
-    profile_save_s: float = 60.0  # the live curves go back to the profile file at most this often (and at shutdown)
     # Pipelining switch.
     switch_samples: int = 3  # steady steps of each mode before the first choice
     switch_give_up: float = 1.3  # ... unless a pipelined one already costs this many times a sequential one
