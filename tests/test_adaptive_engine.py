@@ -80,7 +80,7 @@ def test_start_up_profiling_seeds_both_regimes_and_leaves_no_trace(llama) -> Non
         assert len(policy.costs.draft_by_seqs) >= 2  # the draft's forwards, by the sequences each carried
         # Nothing of the dummy sequences remains: statistics, acceptance, requests, the forced shape.
         assert engine.stats.num_rounds == 0 and engine.times.steps == 0 and not engine.has_unfinished
-        assert policy.acceptance.engine_rates(True, 1) == [0.7] and policy.forced is None
+        assert policy.acceptance.rates(True, 1) == [0.7] and policy.forced is None
         assert not engine.scheduler.running and not engine.scheduler.waiting
         greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         got = [o.token_ids for o in llm.generate(PROMPTS, greedy)]

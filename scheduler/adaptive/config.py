@@ -12,17 +12,11 @@ class AdaptiveConfig:
     spec_margin: float = 0.05  # speculating must be predicted this much faster than plain decode: cost errors vs gains
     min_rounds: int = 8  # rounds a regime runs at the configured shape before it is planned: evidence vs early gains
     search_prices: int = 16  # prefixes the planner prices per depth cap: its own time vs a finer search
-    # Acceptance estimates (per position; exponentially weighted counts).
+    # Acceptance estimates (per position, regime and kind; exponentially weighted counts).
     prior_rate: float = 0.7  # a position's rate before anything is measured (the first position's prior)
-    request_decay: float = 0.8  # a request's memory (~5 rounds): reaction vs noise
-    request_idle_decay: float = 0.93  # ... of a depth it no longer reaches: retry a depth vs forget a miss slowly
-    engine_decay: float = 0.995  # the engine-wide rates' memory (~200 rounds), the prior of every request
-    engine_idle_decay: float = 0.99  # ... of a depth no round reaches
-    prior_weight: float = 2.0  # rounds the default rate is worth to the engine's rates (and a request's prior, least)
-    unknown_spread_weight: float = 8.0  # rounds the engine's rates are worth to a request until the spread is known
-    alike_weight: float = 32.0  # a spread worth more rounds than this is unmeasurable: plan from the engine's rates
-    spread_rounds: int = 4  # drafting rounds (and finished requests) before a request's rate measures the spread
-    spread_decay: float = 0.95  # memory of finished requests' rates (~20 requests)
+    prior_weight: float = 2.0  # rounds the prior is worth
+    acceptance_decay: float = 0.995  # memory (~200 rounds): reaction vs noise
+    idle_decay: float = 0.99  # ... of a depth no round reaches: retry a depth vs forget a miss slowly
     # Cost curves (seconds per log2 bucket of a size).
     curve_decay: float = 0.1  # weight of a new measurement per step since its bucket was measured: noise vs drift
     curve_max_jump: float = 0.5  # the most one measurement moves a bucket: one slow step vs a real change
@@ -50,8 +44,7 @@ class AdaptiveConfig:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ValueError(f"adaptive config: {f.name} must be a non-negative number, got {v!r}")
-        for name in ("request_decay", "request_idle_decay", "engine_decay", "engine_idle_decay", "spread_decay",
-                     "curve_decay", "curve_max_jump", "explore_budget",
+        for name in ("acceptance_decay", "idle_decay", "curve_decay", "curve_max_jump", "explore_budget",
                      "switch_keep", "switch_age"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive config: {name} must be in (0, 1], got {getattr(self, name)!r}")

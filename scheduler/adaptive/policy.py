@@ -61,8 +61,7 @@ class AdaptivePolicy:
         return self.base.cap(req)
 
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
-        self.acceptance.observe(req.seq_id, req.params.greedy, any(w > 1 for w in branching), len(branching),
-                                num_accepted)
+        self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
@@ -77,7 +76,6 @@ class AdaptivePolicy:
         (self.sampled_costs if load.sampled else self.costs).observe(load, timing)
 
     def forget(self, seq_id: int) -> None:
-        self.acceptance.forget(seq_id)
         self._last.pop(seq_id, None)
 
     def reach(self, greedy: bool, depth: int) -> list[float]:
@@ -100,9 +98,10 @@ class AdaptivePolicy:
         if self.forced is not None:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             return [self.forced[: self.base.cap(r)] for r in reqs]
-        priors = {g: self.acceptance.engine_rates(g, len(tree)) for g in (False, True)}
+        rates = {g: (self.acceptance.rates(g, len(tree)), self.acceptance.rates(g, len(tree), tree)
+                     if any(w > 1 for w in tree) else None) for g in (False, True)}
         pins = self._pins(reqs)
-        views = [self._view(r, priors[r.params.greedy], tree[: self.base.cap(r)] if p else None)
+        views = [self._view(r, *rates[r.params.greedy], tree[: self.base.cap(r)] if p else None)
                  for r, p in zip(reqs, pins, strict=True)]
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
@@ -121,16 +120,16 @@ class AdaptivePolicy:
             self.last_plan = explore
         return self.last_plan.shapes
 
-    def _view(self, r: Request, prior: list[float], pin: tuple[int, ...] | None = None) -> Req:
+    def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
+              pin: tuple[int, ...] | None = None) -> Req:
         cap = self.base.cap(r)
         catchup = max(1, r.num_tokens - r.num_cached_draft)
         inflight = max(1, r.num_tokens - r.num_cached_target)
-        if not prior:  # forced shapes: only the step's accounting is needed
+        if not rates:  # forced shapes: only the step's accounting is needed
             return Req(r.seq_id, cap, inflight, catchup, [], greedy=r.params.greedy)
-        rates = self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior)
-        tree = self.base.tree.branching[:cap]
-        tree_rates = (self.acceptance.rates(r.seq_id, r.params.greedy, cap, tree)
-                      if any(w > 1 for w in tree) else None)
+        rates = rates[:cap]
+        if tree_rates is not None and not any(w > 1 for w in self.base.tree.branching[:cap]):
+            tree_rates = None
         remaining = min(r.remaining_tokens, self.base.max_model_len - r.num_tokens)
         # The catch-up is paid once: priced spread over the rounds the request has left if it speculates now.
         lag = 1.0
