@@ -122,7 +122,6 @@ def test_explorer_budget_and_hysteresis() -> None:
     assert e.interval(0.0, measured=False) == 0  # never measured: as soon as possible
     assert e.interval(0.0, steps=3) == 3 * cfg.explore_min  # a burst of 3 steps: 3 times as far apart
     assert e.interval(1.0) == pytest.approx(1.0 / cfg.explore_budget)  # one step lost every 1 / budget steps
-    assert e.interval(1.0, odds=0.5) == pytest.approx(2.0 / cfg.explore_budget)  # a long shot: rarer
     assert e.interval(100.0) == cfg.explore_every
     assert e.beats(1.06, 1.0) and not e.beats(1.04, 1.0)
     with pytest.raises(ValueError):

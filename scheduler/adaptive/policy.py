@@ -213,16 +213,12 @@ class AdaptivePolicy:
                 return price(views, c, costs, steady=False)
             if not (alternatives or rec.age >= cfg.explore_min or not rec.measured):
                 continue
-            real, steady = price(views, c, costs, steady=False), price(views, c, costs).rate
-            if real.seconds > cfg.explore_stall * chosen.seconds and steady < cfg.explore_floor * chosen.rate:
-                continue  # dear, and only a curve wrong by 1 / explore_floor could make it the better plan
+            real = price(views, c, costs, steady=False)
             if chosen.rate <= 0 or chosen.seconds <= 0:
                 interval = float(cfg.explore_every)
-            else:  # chosen steps lost; a step many chosen steps long stalls every stream: its budget shrinks
+            else:  # the chosen steps it loses
                 loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds
-                loss /= min(1.0, cfg.explore_stall * chosen.seconds / max(real.seconds, 1e-9))
-                odds = self.explorer.odds(steady, chosen.rate) if alternatives and rec.measured else 1.0
-                interval = self.explorer.interval(loss, rec.measured, odds)
+                interval = self.explorer.interval(loss, rec.measured)
             timed.append((interval, rec.age, real))
         if timed and alternatives:
             timed = [min(timed, key=lambda t: t[0])]
