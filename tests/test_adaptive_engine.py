@@ -128,7 +128,7 @@ def test_plain_steps_make_no_draft_call_and_greedy_output_stays_the_targets(llam
     # the draft worker timed each forward of a drafting step apart (the cost model prices each at its size)
     drafting = [(max(map(len, shapes)), t) for shapes, t in samples if any(shapes)]
     assert drafting and all(len(t.draft_forward_s) == depth and min(t.draft_forward_s) > 0
-                            and sum(t.draft_forward_s) <= t.draft_worker_s for depth, t in drafting)
+                            and sum(t.draft_forward_s) <= t.draft_s for depth, t in drafting)
     assert all(not t.draft_forward_s for shapes, t in samples if not any(shapes))
     with LLM(llama.target, None, block_size=4) as plain:
         want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]

@@ -144,8 +144,7 @@ def _requests(n: int, greedy: bool = True) -> list[Request]:
 def _true_seconds(load: StepLoad, verify_ms: float, draft_ms: float) -> StepTiming:
     """A machine whose target costs ``verify_ms`` a step plus 0.2 ms a token, and the draft ``draft_ms`` a token."""
     fwd = [draft_ms * n * MS for n in load.forward_tokens if n > 0]
-    return StepTiming((verify_ms + 0.2 * load.verify_tokens) * MS, sum(fwd), 0.0, draft_worker_s=sum(fwd),
-                      draft_forward_s=fwd)
+    return StepTiming((verify_ms + 0.2 * load.verify_tokens) * MS, sum(fwd), 0.0, draft_forward_s=fwd)
 
 
 def _run(policy: AdaptivePolicy, reqs: list[Request], steps: int, verify_ms: float, draft_ms: float,

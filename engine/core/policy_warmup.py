@@ -1,13 +1,6 @@
 """The speculation policy's engine side: building it from the speculative config, and seeding the adaptive
-policy's cost curves before the first user request (start-up profiling, kept in a profile cache).
-
-Profiling runs groups of dummy requests through the built engine's public loop at forced shapes (plain decode,
-a short chain, the configured tree), batch sizes (1, 2, 4, ... ``max_num_seqs``: one per log2 bucket, as the
-curves keep them) and regimes (greedy, sampled), within a time budget; each step's measured times land in the
-curves exactly as user steps will. What the random prompts teach about acceptance, and the engine's statistics,
-are dropped afterwards. The curves are kept in ``$SPECSERVE_CACHE_DIR`` (else ``~/.cache/specserve``), keyed by
-everything that sets the step costs (checkpoints, shapes, placement, torch, this code, the host); an engine
-started again with the same key within a week reads them instead of profiling.
+policy's cost curves before the first user request: start-up profiling, kept in a profile cache keyed by
+everything that sets the step costs (docs/adaptive.md, Warm-up).
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
+from scheduler.adaptive import AdaptivePolicy
 from scheduler.adaptive.costs import CostModel
 from scheduler.sampling_params import SamplingParams
 from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy, TreeShape
@@ -52,13 +45,13 @@ class LLMEngine(Protocol):
     def reset_stats(self) -> None: ...
 
 
-def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, draft_max_len: int,
-                 adaptive: AdaptiveConfig | None = None) -> SpecPolicy | AdaptivePolicy:
+def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, draft_max_len: int
+                 ) -> SpecPolicy | AdaptivePolicy:
     """The configured depth, vLLM's batch-size schedule, or the adaptive policy around the configured tree."""
     base = SpecPolicy(tree, max_model_len, draft_max_len)
     if spec.batch_size_schedule is not None:
         return BatchSizeSchedule(tree, max_model_len, draft_max_len, table=spec.batch_size_schedule)
-    return AdaptivePolicy(base, adaptive or AdaptiveConfig()) if spec.is_adaptive else base
+    return AdaptivePolicy(base) if spec.is_adaptive else base
 
 
 def cache_dir() -> Path | None:

@@ -1,15 +1,5 @@
-"""The measured cost of a step (stdlib only): ``verify + draft + state`` seconds, each a measured curve.
-
-- ``verify``: the target call vs the tokens it forwards, one curve per log2 bucket of the batch size (the same
-  tokens cost more over more sequences), past a bucket's measured sizes on the shape of the all-steps curve;
-- ``draft``: one draft forward vs its tokens, per bucket of the sequences it carries; ``draft_call``: the call's
-  fixed part (messaging, commit, layout), paid once a step when anyone speculates;
-- ``state``: the controller's own time vs the requests in the step.
-
-A ``Curve`` keeps an exponentially weighted mean per log2 bucket and interpolates between buckets, so it follows
-the machine's real shape and forgets old measurements. Sampled steps (laws travel, residuals are sampled) keep
-a model of their own, falling back on the greedy one's batch-size curves where they have measured nothing.
-"""
+"""The measured cost of a step (stdlib only): ``verify + draft + state`` seconds, each a measured curve
+(docs/adaptive.md, Costs)."""
 
 from __future__ import annotations
 
@@ -32,8 +22,8 @@ def bucket(x: float) -> int:
 @dataclass
 class StepLoad:
     """What one step carries: the target's tokens and each draft forward's tokens and sequences. The one place
-    a round's shape becomes tokens: forward f carries level f and makes level f + 1 (the deepest level is never
-    forwarded); the first forward carries the tokens the draft has not seen yet."""
+    a round's shape becomes tokens: forward f carries level f and makes level f + 1; the first forward carries
+    the tokens the draft has not seen yet."""
 
     verify_tokens: float = 0.0
     forward_tokens: list[float] = field(default_factory=list)
@@ -69,8 +59,7 @@ class StepTiming:
     draft_s: float  # draft time the controller waited for (pipelining hides the rest)
     state_s: float  # schedule + commit/emit
     draft_prefill: bool = False  # the draft call also prefilled prompt chunks
-    draft_worker_s: float | None = None  # the worker's own share of draft_s (None: hidden, pipelined)
-    draft_forward_s: list[float] | None = None  # the worker's seconds of each forward, when timed apart
+    draft_forward_s: list[float] | None = None  # the worker's seconds of each forward (None: pipelined, hidden)
 
 
 @dataclass
@@ -89,8 +78,6 @@ class Curve:
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)
-
-    bucket = staticmethod(bucket)
 
     def observe(self, x: float, seconds: float) -> None:
         if x <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -191,11 +178,8 @@ class CostModel:
                     self.draft.observe(n, sec)
                     self.draft_by_seqs.setdefault(bucket(q), Curve()).observe(n, sec)
                 self.draft_call.observe(fwd[0][0], max(0.0, t.draft_s - sum(t.draft_forward_s)))
-            else:  # not timed apart: each forward the mean, at its mean size
-                worker = t.draft_s if t.draft_worker_s is None else min(t.draft_s, t.draft_worker_s)
-                self.draft.observe(sum(n for n, _ in fwd) / len(fwd), worker / len(fwd))
-                if t.draft_worker_s is not None:
-                    self.draft_call.observe(fwd[0][0], max(0.0, t.draft_s - worker))
+            elif t.draft_forward_s is None:  # pipelined: each forward the mean of the wait, at its mean size
+                self.draft.observe(sum(n for n, _ in fwd) / len(fwd), t.draft_s / len(fwd))
         self.state.observe(load.num_seqs, t.state_s)
 
     def step_seconds(self, load: StepLoad) -> float:

@@ -1,12 +1,5 @@
-"""The adaptive speculation policy: each step, every request's round by measured costs and acceptance.
-
-It answers the scheduler's ``SpecPolicy`` interface (``plan``: each decoding request's branching), learns from
-every round (``observe_round``) and every timed step (``observe_step``), and runs the planner
-(scheduler/adaptive/plan.py) on per-request views. Until the curves can price a plan, plain decode and a few
-requests at the configured shape take turns; afterwards, now and then, one step runs a plan not in use to keep
-its size measured (scheduler/adaptive/explore.py). Seeded sampled requests are pinned to the configured shape:
-their tokens depend on the depths their rounds ran, and the same seed must give the same output under any load.
-"""
+"""The adaptive speculation policy (docs/adaptive.md): the scheduler's ``SpecPolicy`` interface around the
+planner, learning from every round (``observe_round``) and timed step (``observe_step``), exploring now and then."""
 
 from __future__ import annotations
 
@@ -37,8 +30,6 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker | None = None
     observing: bool = True  # False: step times are not learned
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): start-up profiling
-    explored_steps: int = 0
-    last_plan: Plan | None = None
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
@@ -53,12 +44,6 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------------------ the SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
         return self.base.depth(num_tokens, remaining_tokens)
-
-    def num_nodes(self, depth: int) -> int:
-        return self.base.num_nodes(depth)
-
-    def cap(self, req: Request) -> int:
-        return self.base.cap(req)
 
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
         self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
@@ -111,14 +96,8 @@ class AdaptivePolicy:
         if not costs.ready:
             return self._cold(views, fixed)
         best = plan(views, costs, tree, self.config, self._last)
-        for v, s in zip(views, best.shapes, strict=True):
-            self._last[v.seq_id] = s
-        self.last_plan = best
-        explore = self._exploration(views, best, fixed, costs, prefill)
-        if explore is not None:
-            self.explored_steps += 1
-            self.last_plan = explore
-        return self.last_plan.shapes
+        self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
+        return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
               pin: tuple[int, ...] | None = None) -> Req:
