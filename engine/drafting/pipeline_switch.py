@@ -1,15 +1,11 @@
-"""Pipelining where it pays: each step of a pipelined engine runs pipelined or sequential, whichever is measured
-cheaper per emitted token in the step's regime (sampled or greedy, batch-size bucket).
+"""Pipelining where it pays: each step runs pipelined or sequential, whichever is measured cheaper per emitted
+token in the step's regime (sampled or greedy, batch-size bucket). Pipelining hides the draft behind verification
+but competes with the target (a core, memory bandwidth, the interpreter lock), and a step skips its re-draft only
+if all its rounds hit. Outputs do not depend on the mode: a pre-drafted tree is the tree a re-draft would propose.
 
-Pipelining hides the draft behind verification but costs something: the pre-draft competes with the target (a
-core, memory bandwidth, the interpreter lock), and at batch b a step skips its re-draft only if all b rounds hit.
-A *sequential* step pre-drafts nothing, so the next one drafts every round from its real prefix. Outputs do not
-depend on the mode: a pre-drafted tree is the tree a re-draft would propose.
-
-Cost per token: decayed sums of steady steps' seconds and tokens per regime and mode (a step is steady when the
-previous one ran the same mode; steps with prompt chunks are not counted). A regime first measures sequential
-steps (they cannot cost a core); the other mode is explored in bursts (the first step is a transition) spaced by
-the shared exploration budget (scheduler/adaptive/explore.py), and taken over once it wins by the hysteresis.
+Cost per token: decayed sums of steady steps (the previous step ran the same mode; no prompt chunks). A regime
+measures sequential steps first (they cannot cost a core); the other mode is explored in bursts spaced by the
+shared exploration budget (scheduler/adaptive/explore.py) and takes over once it wins by the hysteresis.
 """
 
 from __future__ import annotations

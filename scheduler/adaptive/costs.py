@@ -228,31 +228,15 @@ class CostModel:
         return self.draft_call(fwd[0][0]) + sum(self.draft_forward(n, q) for n, q in fwd)
 
     def draft_forward(self, tokens: float, num_seqs: int) -> float:
-        """The curve of forwards over about as many sequences; between measured counts linear in the sequences,
-        past the largest the line of the largest two (never below it); else the all-forwards curve."""
+        """The curve of forwards over about as many sequences (else the nearest count measured), extrapolated on
+        the all-forwards shape, the lower of the two (either alone kept requests from ever speculating)."""
         if tokens <= 0:
             return 0.0
-        if num_seqs <= 0 or not self.draft_by_seqs:
+        known = [k for k, c in self.draft_by_seqs.items() if c.points]
+        if num_seqs <= 0 or not known:
             return self.draft(tokens)
-        b = bucket(num_seqs)
-        own = self.draft_by_seqs.get(b)
-        if own is not None and own.points:
-            return self._draft_at(own, tokens)
-        known = sorted(k for k, c in self.draft_by_seqs.items() if c.points)
-        below, above = [k for k in known if k < b], [k for k in known if k > b]
-        if not below:  # fewer sequences than any measured never cost more
-            return self._draft_at(self.draft_by_seqs[above[0]], tokens) if above else self.draft(tokens)
-        if not above and len(below) == 1:
-            return self._draft_at(self.draft_by_seqs[below[-1]], tokens)
-        a, z = (below[-1], above[0]) if above else (below[-2], below[-1])
-        y0, y1 = self._draft_at(self.draft_by_seqs[a], tokens), self._draft_at(self.draft_by_seqs[z], tokens)
-        out = y0 + (y1 - y0) * (num_seqs - 2 ** a) / (2 ** z - 2 ** a)
-        return out if above else max(out, y1)
-
-    def _draft_at(self, c: Curve, tokens: float) -> float:
-        # The lower extrapolation: the all-forwards shape mixes larger batches, a one-sequence line of 1-2 tokens
-        # overprices a long catch-up; either alone kept requests from ever speculating.
-        return c.scaled(tokens, self.draft, lower=True)
+        b = min(known, key=lambda k: (abs(k - bucket(num_seqs)), -k))
+        return self.draft_by_seqs[b].scaled(tokens, self.draft, lower=True)
 
     def to_dict(self) -> dict:
         return {"verify": _curve_to_dict(self.verify), "draft": _curve_to_dict(self.draft),

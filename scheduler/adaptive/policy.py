@@ -136,72 +136,53 @@ class AdaptivePolicy:
         return self.costs
 
     def _cold(self, views: list[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """While the curves cannot price a plan: what measures them, stalling the batch least. Pinned rounds that
-        speculate measure a speculative size; else plain decode and a few requests at the configured shape alternate."""
+        """While the curves cannot price a plan: pinned rounds, else plain decode and a few requests at the
+        configured shape in turn (what measures the curves, stalling the batch least)."""
         plain = [v.pinned or () for v in views]
-        if any(plain):
-            return plain
         self._cold_steps += 1
-        turns = self._few_speculate(views, fixed) if self._cold_steps % 2 == 0 else []
-        return turns[-1] if turns else plain
+        return plain if any(plain) or self._cold_steps % 2 else self._few_speculate(views, fixed)
 
-    def _few_speculate(self, views: Sequence[Req], fixed: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """As many candidate nodes as chains of 1, and of half the configured depth, for every free request, but
-        carried by the fewest (those whose draft has least to catch up): the verify size is what needs measuring,
-        and every request that speculates first feeds its draft its whole prefix."""
+    def _few_speculate(self, views: Sequence[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """As many candidate nodes as chains of half the configured depth for every free request, carried by the
+        fewest (least draft to catch up): the verify size is what needs measuring, and every request that first
+        speculates feeds its draft its whole prefix."""
         free = sorted((i for i, v in enumerate(views) if v.pinned is None), key=lambda i: (views[i].catchup, i))
-        depth = max((len(f) for f in fixed), default=0)
-        out: list[list[tuple[int, ...]]] = []
-        for target in (len(free), max(1, len(free) * depth // 2)):
-            shapes = [v.pinned or () for v in views]
-            left = target
-            for i in free:
-                if left <= 0:
-                    break
-                d = len(fixed[i])
-                while d > 1 and _nodes(fixed[i][:d]) > left:
-                    d -= 1
-                shapes[i] = fixed[i][:d]
-                left -= _nodes(shapes[i])
-            if any(shapes) and shapes not in out:
-                out.append(shapes)
-        return out
+        shapes = [v.pinned or () for v in views]
+        left = max(1, len(free) * max((len(f) for f in fixed), default=0) // 2)
+        for i in free:
+            if left <= 0:
+                break
+            d = len(fixed[i])
+            while d > 1 and _nodes(fixed[i][:d]) > left:
+                d -= 1
+            shapes[i] = fixed[i][:d]
+            left -= _nodes(shapes[i])
+        return shapes
 
     def _exploration(self, views: list[Req], chosen: Plan, fixed: list[tuple[int, ...]], costs: CostModel,
                      prefill: bool) -> Plan | None:
         """One step of a plan not in use (plain decode or the configured shape while speculating; else a few
         requests at the configured shape) when its verify size, at this batch size, is due by the budget. A size
         never measured here counts its age from when the chosen plan last started or stopped speculating."""
-        cfg = self.config
         speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
         self._mode_steps = self._mode_steps + 1 if speculating == self._speculating else 0
         self._speculating = speculating
         if prefill:
             return None
-        plain = [v.pinned or () for v in views]
-        cands = [plain, fixed] if speculating else self._few_speculate(views, fixed)
-        cands = [c for c in cands if c != chosen.shapes]
-        records = [costs.size_record(real_load(views, c).verify_tokens, len(views)) for c in cands]
-        records = [r if r.measured or r.age is None else r._replace(age=min(r.age, self._mode_steps)) for r in records]
-        if all(r.age is not None and r.age < cfg.explore_min and r.measured for r in records):
-            return None
-        alternatives = not speculating  # two sizes, either of which measures what plain decode lacks
-        timed = []
-        for c, rec in zip(cands, records, strict=True):
-            if rec.age is None:
-                return price(views, c, costs, steady=False)
-            if not (alternatives or rec.age >= cfg.explore_min or not rec.measured):
+        cands = [[v.pinned or () for v in views], fixed] if speculating else [self._few_speculate(views, fixed)]
+        due = []
+        for c in cands:
+            if c == chosen.shapes:
                 continue
+            rec = costs.size_record(real_load(views, c).verify_tokens, len(views))
             real = price(views, c, costs, steady=False)
-            if chosen.rate <= 0 or chosen.seconds <= 0:
-                interval = float(cfg.explore_every)
-            else:  # the chosen steps it loses
-                loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds
-                interval = self.explorer.interval(loss, rec.measured)
-            timed.append((interval, rec.age, real))
-        if timed and alternatives:
-            timed = [min(timed, key=lambda t: t[0])]
-        due = [(age / max(interval, 1.0), p) for interval, age, p in timed if age >= interval]
+            if rec.age is None:
+                return real
+            age = rec.age if rec.measured else min(rec.age, self._mode_steps)
+            loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds if chosen.rate > 0 else math.inf
+            interval = self.explorer.interval(loss, rec.measured)
+            if age >= interval:
+                due.append((age / max(interval, 1.0), real))
         return max(due, key=lambda t: t[0])[1] if due else None
 
 
