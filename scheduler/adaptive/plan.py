@@ -36,10 +36,6 @@ class Round:
     source: str
     shape: tuple[int, ...]  # branching per level; () for plain decode
 
-    @property
-    def depth(self) -> int:
-        return len(self.shape)
-
 
 @dataclass
 class Plan:
@@ -126,12 +122,8 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
     plain_rate = tokens0 / max(costs.step_seconds(base), 1e-12)
     best_rate, best_cut = plain_rate, []
     deepest = max((j for _, j, _ in cands), default=-1) + 1
-    priced: list = []
     for cap in range(deepest, 0, -1):
         cut = [c for c in cands if c[1] < cap]
-        if priced and priced[: len(cut)] == cut:
-            continue  # every prefix of it was priced already (batch 1: each cap's cut is a prefix of the deepest)
-        priced = cut if len(cut) <= config.search_prices else []
         n, rate = _best_prefix(reqs, cut, base, tokens0, costs, config.search_prices)
         if n and rate > best_rate:
             best_rate, best_cut = rate, cut[:n]
