@@ -159,7 +159,6 @@ class CostModel:
     draft_call: Curve = field(default_factory=Curve)
     verify_by_seqs: dict[int, Curve] = field(default_factory=dict)
     draft_by_seqs: dict[int, Curve] = field(default_factory=dict)
-    fallback: CostModel | None = field(default=None, repr=False)  # the greedy model, for a sampled one
 
     @property
     def ready(self) -> bool:
@@ -187,29 +186,14 @@ class CostModel:
                 + self.draft_seconds(load.forward_tokens, load.forward_seqs) + self.state(load.num_seqs))
 
     def verify_seconds(self, tokens: float, num_seqs: int) -> float:
-        """This batch size's curve where it measured any (past its sizes, on the fallback's or the all-steps
-        shape); else the fallback's curve of that batch size times this regime's cost ratio; else all steps'."""
-        if tokens <= 0:
-            return self.verify(tokens)
-        b = bucket(num_seqs)
-        c = self.verify_by_seqs.get(b)
-        g = self.fallback.verify_by_seqs.get(b) if self.fallback is not None else None
-        g = g if g is not None and g.points else None
-        if c is not None and c.points:
-            return c.scaled(tokens, g if g is not None and len(g.points) >= 2 else self.verify)
-        if g is not None:
-            own, other = self.verify(tokens), self.fallback.verify(tokens)
-            return g(tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
-        return self.verify(tokens)
+        """This batch size's curve where it measured any (past its sizes, on the all-steps shape), else all steps'."""
+        c = self.verify_by_seqs.get(bucket(num_seqs))
+        return c.scaled(tokens, self.verify) if tokens > 0 and c is not None and c.points else self.verify(tokens)
 
     def knows_batch_size(self, num_seqs: int) -> bool:
-        """A plan at this batch size is priced from measurements of it (two sizes), or no batch-size curves are
-        kept at all (curves made by hand). Otherwise every verify size is another batch size's shape."""
-        models = [m for m in (self, self.fallback) if m is not None]
-        if not any(m.verify_by_seqs for m in models):
-            return True
-        b = bucket(num_seqs)
-        return any(b in m.verify_by_seqs and len(m.verify_by_seqs[b].points) >= 2 for m in models)
+        """This batch size measured at two sizes, or no batch-size curves kept at all (curves made by hand)."""
+        c = self.verify_by_seqs.get(bucket(num_seqs))
+        return not self.verify_by_seqs or (c is not None and len(c.points) >= 2)
 
     def size_record(self, tokens: float, num_seqs: int) -> SizeRecord:
         """What the curve pricing a target call of about these tokens knows of that size (ages count that

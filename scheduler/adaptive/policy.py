@@ -130,10 +130,7 @@ class AdaptivePolicy:
         return pin
 
     def _costs_for(self, views: Sequence[Req]) -> CostModel:
-        if any(not v.greedy for v in views) and self.sampled_costs.ready:
-            self.sampled_costs.fallback = self.costs
-            return self.sampled_costs
-        return self.costs
+        return self.sampled_costs if any(not v.greedy for v in views) and self.sampled_costs.ready else self.costs
 
     def _cold(self, views: list[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """While the curves cannot price a plan: pinned rounds, else plain decode and a few requests at the
