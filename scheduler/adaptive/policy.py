@@ -33,8 +33,6 @@ class AdaptivePolicy:
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
-    _speculating: bool | None = None
-    _mode_steps: int = 0  # steps since the chosen plan started or stopped speculating
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -159,13 +157,10 @@ class AdaptivePolicy:
     def _exploration(self, views: list[Req], chosen: Plan, fixed: list[tuple[int, ...]], costs: CostModel,
                      prefill: bool) -> Plan | None:
         """One step of a plan not in use (plain decode or the configured shape while speculating; else a few
-        requests at the configured shape) when its verify size, at this batch size, is due by the budget. A size
-        never measured here counts its age from when the chosen plan last started or stopped speculating."""
-        speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
-        self._mode_steps = self._mode_steps + 1 if speculating == self._speculating else 0
-        self._speculating = speculating
+        requests at the configured shape) when its verify size, at this batch size, is due by the budget."""
         if prefill:
             return None
+        speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
         cands = [[v.pinned or () for v in views], fixed] if speculating else [self._few_speculate(views, fixed)]
         due = []
         for c in cands:
@@ -175,11 +170,10 @@ class AdaptivePolicy:
             real = price(views, c, costs, steady=False)
             if rec.age is None:
                 return real
-            age = rec.age if rec.measured else min(rec.age, self._mode_steps)
             loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds if chosen.rate > 0 else math.inf
             interval = self.explorer.interval(loss, rec.measured)
-            if age >= interval:
-                due.append((age / max(interval, 1.0), real))
+            if rec.age >= interval:
+                due.append((rec.age / max(interval, 1.0), real))
         return max(due, key=lambda t: t[0])[1] if due else None
 
 
