@@ -7,7 +7,6 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from scheduler.adaptive.config import AdaptiveConfig
 
@@ -146,11 +145,6 @@ def _monotone(ys: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-class SizeRecord(NamedTuple):
-    age: int | None  # steps of this batch size since the size was measured (None: nothing measured there)
-    measured: bool  # ever measured at this batch size
-
-
 @dataclass
 class CostModel:
     verify: Curve = field(default_factory=Curve)
@@ -195,15 +189,15 @@ class CostModel:
         c = self.verify_by_seqs.get(bucket(num_seqs))
         return not self.verify_by_seqs or (c is not None and len(c.points) >= 2)
 
-    def size_record(self, tokens: float, num_seqs: int) -> SizeRecord:
-        """What the curve pricing a target call of about these tokens knows of that size (ages count that
-        curve's steps; a size never measured there counts from the curve's first step)."""
+    def size_record(self, tokens: float, num_seqs: int) -> tuple[int | None, bool]:
+        """(age, measured) of this size on the curve pricing it: age in that curve's steps (never measured: since
+        its first step; None: the curve has measured nothing)."""
         c = self.verify_by_seqs.get(bucket(num_seqs))
         c = self.verify if c is None or not c.points else c
         p = c.points.get(bucket(tokens))
         if p is None:
-            return SizeRecord(c.clock if c.points else None, False)
-        return SizeRecord(c.clock - p.step, True)
+            return (c.clock if c.points else None), False
+        return c.clock - p.step, True
 
     def draft_seconds(self, tokens: Sequence[float], seqs: Sequence[int]) -> float:
         fwd = [(n, seqs[f] if f < len(seqs) else 0) for f, n in enumerate(tokens) if n > 0]
@@ -223,18 +217,17 @@ class CostModel:
         return self.draft_by_seqs[b].scaled(tokens, self.draft, lower=True)
 
     def to_dict(self) -> dict:
-        return {"verify": _curve_to_dict(self.verify), "draft": _curve_to_dict(self.draft),
-                "state": _curve_to_dict(self.state), "draft_call": _curve_to_dict(self.draft_call),
-                "verify_by_seqs": {str(b): _curve_to_dict(c) for b, c in sorted(self.verify_by_seqs.items())},
-                "draft_by_seqs": {str(b): _curve_to_dict(c) for b, c in sorted(self.draft_by_seqs.items())}}
+        return {**{n: _curve_to_dict(getattr(self, n)) for n in _CURVES},
+                **{n: {str(b): _curve_to_dict(c) for b, c in sorted(getattr(self, n).items())} for n in _BY_SEQS}}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         """The inverse of ``to_dict``; ValueError on anything but finite, non-negative points (a file is input)."""
-        return cls(verify=_curve_from_dict(d["verify"]), draft=_curve_from_dict(d["draft"]),
-                   state=_curve_from_dict(d["state"]), draft_call=_curve_from_dict(d["draft_call"]),
-                   verify_by_seqs={int(b): _curve_from_dict(c) for b, c in d["verify_by_seqs"].items()},
-                   draft_by_seqs={int(b): _curve_from_dict(c) for b, c in d["draft_by_seqs"].items()})
+        return cls(**{n: _curve_from_dict(d[n]) for n in _CURVES},
+                   **{n: {int(b): _curve_from_dict(c) for b, c in d[n].items()} for n in _BY_SEQS})
+
+
+_CURVES, _BY_SEQS = ("verify", "draft", "state", "draft_call"), ("verify_by_seqs", "draft_by_seqs")
 
 
 def _curve_to_dict(c: Curve) -> dict:

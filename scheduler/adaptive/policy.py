@@ -166,14 +166,14 @@ class AdaptivePolicy:
         for c in cands:
             if c == chosen.shapes:
                 continue
-            rec = costs.size_record(real_load(views, c).verify_tokens, len(views))
+            age, measured = costs.size_record(real_load(views, c).verify_tokens, len(views))
             real = price(views, c, costs, steady=False)
-            if rec.age is None:
+            if age is None:
                 return real
             loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds if chosen.rate > 0 else math.inf
-            interval = self.explorer.interval(loss, rec.measured)
-            if rec.age >= interval:
-                due.append((rec.age / max(interval, 1.0), real))
+            interval = self.explorer.interval(loss, measured)
+            if age >= interval:
+                due.append((age / max(interval, 1.0), real))
         return max(due, key=lambda t: t[0])[1] if due else None
 
 
