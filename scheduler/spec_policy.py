@@ -89,15 +89,14 @@ class SpecPolicy:
         return [self.tree.branching[: self.cap(r)] for r in reqs]
 
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
-        self.acceptance.observe(req.seq_id, req.params.greedy, any(w > 1 for w in branching), len(branching),
-                                num_accepted)
+        self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
 
     def reach(self, greedy: bool, depth: int) -> list[float]:
         """P(at least d candidates accepted), d = 1 .. depth, as measured."""
         return self.acceptance.reach(greedy, depth)
 
     def forget(self, seq_id: int) -> None:
-        self.acceptance.forget(seq_id)
+        """A finished request: nothing of it is kept (acceptance is measured per regime, not per request)."""
 
 
 @dataclass(frozen=True)

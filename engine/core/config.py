@@ -91,8 +91,8 @@ class SpeculativeConfig:
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
       adaptive policy's cost curves (default 10; 0: learn from the first requests);
     - ``adaptive_cost_cache``: take those curves from the profile of the same setup on this machine when one
-      was made in the last week, and keep this one's, with what the live steps measure written back every
-      minute of steps and at shutdown (``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``; default true);
+      was made in the last week, and keep this one's (``$SPECSERVE_CACHE_DIR``, else ``~/.cache/specserve``;
+      default true);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
     """

@@ -19,7 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
-from engine.core.policy_warmup import ProfileKeeper, build_policy, warm_up_policy
+from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.pipelined_drafter import PipelinedDrafter
@@ -108,8 +108,7 @@ class LLMEngine:
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
         self.recovery = (Recovery(self, parallel.max_worker_restarts, parallel.worker_restart_window_s)
                          if hasattr(self.executor, "begin_restart") else None)
-        # What the adaptive policy learns goes back to its profile file (engine/core/policy_warmup.py).
-        self.profile_keeper: ProfileKeeper | None = None
+        self._warmed = False
 
     @classmethod
     def create(cls, config: EngineConfig) -> LLMEngine:
@@ -126,8 +125,9 @@ class LLMEngine:
         """Seed the adaptive policy's cost curves (profile cache, else start-up profiling) before user requests;
         nothing for other policies. Call once, on a built engine with no requests."""
         policy, spec = self.scheduler.policy, self.config.speculative
-        if isinstance(policy, AdaptivePolicy) and self.profile_keeper is None:
-            self.profile_keeper = warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
+        if isinstance(policy, AdaptivePolicy) and not self._warmed:
+            self._warmed = True
+            warm_up_policy(self, policy, spec.adaptive_warmup_s, cache=spec.adaptive_cost_cache)
 
     def reset_stats(self) -> None:
         """Start the engine's statistics and step times over (e.g. after warm-up or a benchmark's first pass)."""
@@ -209,8 +209,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (Ray actors, sockets); the engine is unusable afterwards."""
-        if self.profile_keeper is not None:
-            self.profile_keeper.save()
         self.executor.shutdown()
 
     # ---------------------------------------------------------------------------------------------- the loop
@@ -240,8 +238,6 @@ class LLMEngine:
                     if self.recovery is None:
                         raise
                     self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
-                if self.profile_keeper is not None:
-                    self.profile_keeper.tick()
             return self._take_deltas()
         except BaseException as e:
             self._dead = e

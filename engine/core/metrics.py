@@ -77,9 +77,7 @@ class StepTimes:
             verify_s=self.verify_wall_s - before.verify_wall_s,
             draft_s=self.draft_wall_s - before.draft_wall_s + self.collect_s - before.collect_s,
             state_s=self.schedule_s - before.schedule_s + self.commit_s - before.commit_s,
-            draft_prefill=draft_prefill,
-            draft_worker_s=None if forward_s is None else self.draft_s - before.draft_s,
-            draft_forward_s=forward_s)
+            draft_prefill=draft_prefill, draft_forward_s=forward_s)
 
     @property
     def messaging_s(self) -> float:

@@ -1,14 +1,6 @@
 """The speculation policy's engine side: building it from the speculative config, and seeding the adaptive
-policy's cost curves before the first user request (start-up profiling, kept in a profile cache).
-
-Profiling runs groups of dummy requests through the built engine's public loop at forced shapes (plain decode,
-a short chain, the configured tree), batch sizes (1, 2, 4, ... ``max_num_seqs``: one per log2 bucket, as the
-curves keep them) and regimes (greedy, sampled), within a time budget; each step's measured times land in the
-curves exactly as user steps will. What the random prompts teach about acceptance, and the engine's statistics,
-are dropped afterwards. The curves are kept in ``$SPECSERVE_CACHE_DIR`` (else ``~/.cache/specserve``), keyed by
-everything that sets the step costs (checkpoints, shapes, placement, torch, this code, the host); an engine
-started again with the same key within a week reads them instead of profiling, and the live steps write what
-they learn back (``ProfileKeeper``: every minute of steps and at shutdown).
+policy's cost curves before the first user request: start-up profiling, kept in a profile cache keyed by
+everything that sets the step costs (docs/adaptive.md, Warm-up).
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
+from scheduler.adaptive import AdaptivePolicy
 from scheduler.adaptive.costs import CostModel
 from scheduler.sampling_params import SamplingParams
 from scheduler.spec_policy import BatchSizeSchedule, SpecPolicy, TreeShape
@@ -53,13 +45,13 @@ class LLMEngine(Protocol):
     def reset_stats(self) -> None: ...
 
 
-def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, draft_max_len: int,
-                 adaptive: AdaptiveConfig | None = None) -> SpecPolicy | AdaptivePolicy:
+def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, draft_max_len: int
+                 ) -> SpecPolicy | AdaptivePolicy:
     """The configured depth, vLLM's batch-size schedule, or the adaptive policy around the configured tree."""
     base = SpecPolicy(tree, max_model_len, draft_max_len)
     if spec.batch_size_schedule is not None:
         return BatchSizeSchedule(tree, max_model_len, draft_max_len, table=spec.batch_size_schedule)
-    return AdaptivePolicy(base, adaptive or AdaptiveConfig()) if spec.is_adaptive else base
+    return AdaptivePolicy(base) if spec.is_adaptive else base
 
 
 def cache_dir() -> Path | None:
@@ -136,45 +128,16 @@ def save_profile(path: Path, policy: AdaptivePolicy) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float, cache: bool = True
-                   ) -> ProfileKeeper | None:
-    """The curves from the profile of this setup if cached, else profiled here and cached; what keeps the file
-    current from the live steps (None without a cache). ``budget_s`` <= 0: learn from the first requests."""
+def warm_up_policy(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float, cache: bool = True) -> None:
+    """The curves from the profile of this setup if cached, else profiled here and cached. ``budget_s`` <= 0:
+    learn from the first requests."""
     if budget_s <= 0:
-        return None
+        return
     path = profile_path(engine) if cache else None
     if path is None or not load_profile(path, policy):
         steps = profile(engine, policy, budget_s)
         if path is not None and steps and policy.costs.ready:
             save_profile(path, policy)
-    return ProfileKeeper(path, policy) if path is not None else None
-
-
-class ProfileKeeper:
-    """Writes the live curves back to the profile file, at most every ``every_s`` seconds of steps and at
-    shutdown: a restarted server keeps the sizes measured under load instead of paying their explorations."""
-
-    def __init__(self, path: Path, policy: AdaptivePolicy) -> None:
-        self.path, self.policy, self.every_s = path, policy, policy.config.profile_save_s
-        self._due = time.monotonic() + self.every_s
-        self._seen = self._clocks()
-
-    def _clocks(self) -> tuple[int, int]:
-        return self.policy.costs.verify.clock, self.policy.sampled_costs.verify.clock
-
-    def tick(self) -> None:
-        if time.monotonic() >= self._due:
-            self.save()
-
-    def save(self) -> None:
-        self._due = time.monotonic() + self.every_s
-        clocks = self._clocks()
-        if clocks != self._seen and self.policy.costs.ready:
-            try:
-                save_profile(self.path, self.policy)
-            except RuntimeError:  # a shutdown from another thread raced a step's update: the next write has it
-                return
-            self._seen = clocks
 
 
 def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:

@@ -12,17 +12,11 @@ class AdaptiveConfig:
     spec_margin: float = 0.05  # speculating must be predicted this much faster than plain decode: cost errors vs gains
     min_rounds: int = 8  # rounds a regime runs at the configured shape before it is planned: evidence vs early gains
     search_prices: int = 16  # prefixes the planner prices per depth cap: its own time vs a finer search
-    # Acceptance estimates (per position; exponentially weighted counts).
+    # Acceptance estimates (per position, regime and kind; exponentially weighted counts).
     prior_rate: float = 0.7  # a position's rate before anything is measured (the first position's prior)
-    request_decay: float = 0.8  # a request's memory (~5 rounds): reaction vs noise
-    request_idle_decay: float = 0.93  # ... of a depth it no longer reaches: retry a depth vs forget a miss slowly
-    engine_decay: float = 0.995  # the engine-wide rates' memory (~200 rounds), the prior of every request
-    engine_idle_decay: float = 0.99  # ... of a depth no round reaches
-    prior_weight: float = 2.0  # rounds the default rate is worth to the engine's rates (and a request's prior, least)
-    unknown_spread_weight: float = 8.0  # rounds the engine's rates are worth to a request until the spread is known
-    alike_weight: float = 32.0  # a spread worth more rounds than this is unmeasurable: plan from the engine's rates
-    spread_rounds: int = 4  # drafting rounds (and finished requests) before a request's rate measures the spread
-    spread_decay: float = 0.95  # memory of finished requests' rates (~20 requests)
+    prior_weight: float = 2.0  # rounds the prior is worth
+    acceptance_decay: float = 0.995  # memory (~200 rounds): reaction vs noise
+    idle_decay: float = 0.99  # ... of a depth no round reaches: retry a depth vs forget a miss slowly
     # Cost curves (seconds per log2 bucket of a size).
     curve_decay: float = 0.1  # weight of a new measurement per step since its bucket was measured: noise vs drift
     curve_max_jump: float = 0.5  # the most one measurement moves a bucket: one slow step vs a real change
@@ -30,34 +24,26 @@ class AdaptiveConfig:
     explore_budget: float = 0.03  # share of the time exploring may cost when the prediction is right
     explore_min: int = 8  # steps between explorations of one thing, at least: cheap explorations vs churn
     explore_every: int = 256  # ... at most: stale curves vs exploration cost
-    explore_stall: float = 3.0  # an exploration longer than this many chosen steps stalls the batch: its budget shrinks
-    explore_floor: float = 0.67  # ... and such a plan predicted below this share of the chosen rate is not explored
-    explore_odds: float = 2.0  # from plain decode, the budget scales by (plan rate / plain rate) ** this
     # Start-up profiling and the profile cache.
     profile_prompt_len: int = 8  # dummy prompt tokens: decode costs hardly depend on the context length
     profile_max_batch: int = 256  # larger batch sizes are priced by extrapolating the curves
     profile_rounds: int = 4  # rounds per dummy group after the two not learned from (prefill, first round)
     profile_max_age_s: float = 7 * 24 * 3600  # a cached profile older than this is measured again (load, drift)
-    profile_save_s: float = 60.0  # the live curves go back to the profile file at most this often (and at shutdown)
     # Pipelining switch.
-    switch_samples: int = 3  # steady steps of each mode before the first choice
-    switch_give_up: float = 1.3  # ... unless a pipelined one already costs this many times a sequential one
-    switch_burst: int = 3  # steps of an exploration burst of the other mode (the first is a transition)
-    switch_keep: float = 0.8  # decay of a mode's cost sums per sample of it
-    switch_age: float = 0.97  # ... and per sample of the other mode: a rarely run mode's old steps fade
+    switch_burst: int = 3  # steps of a burst of the other mode (the first is a transition): evidence vs cost
+    switch_keep: float = 0.8  # decay of a mode's cost sums per sample of it: reaction vs noise
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ValueError(f"adaptive config: {f.name} must be a non-negative number, got {v!r}")
-        for name in ("request_decay", "request_idle_decay", "engine_decay", "engine_idle_decay", "spread_decay",
-                     "curve_decay", "curve_max_jump", "explore_budget",
-                     "switch_keep", "switch_age"):
+        for name in ("acceptance_decay", "idle_decay", "curve_decay", "curve_max_jump", "explore_budget",
+                     "switch_keep"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive config: {name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.explore_min > self.explore_every:
             raise ValueError(f"adaptive config: explore_min ({self.explore_min}) exceeds explore_every "
                              f"({self.explore_every})")
-        if self.switch_burst < 1 or self.switch_samples < 1:
-            raise ValueError("adaptive config: switch_burst and switch_samples must be at least 1")
+        if self.switch_burst < 2:
+            raise ValueError("adaptive config: switch_burst must be at least 2 (its first step is a transition)")

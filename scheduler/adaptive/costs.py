@@ -1,15 +1,5 @@
-"""The measured cost of a step (stdlib only): ``verify + draft + state`` seconds, each a measured curve.
-
-- ``verify``: the target call vs the tokens it forwards, one curve per log2 bucket of the batch size (the same
-  tokens cost more over more sequences), past a bucket's measured sizes on the shape of the all-steps curve;
-- ``draft``: one draft forward vs its tokens, per bucket of the sequences it carries; ``draft_call``: the call's
-  fixed part (messaging, commit, layout), paid once a step when anyone speculates;
-- ``state``: the controller's own time vs the requests in the step.
-
-A ``Curve`` keeps an exponentially weighted mean per log2 bucket and interpolates between buckets, so it follows
-the machine's real shape and forgets old measurements. Sampled steps (laws travel, residuals are sampled) keep
-a model of their own, falling back on the greedy one's batch-size curves where they have measured nothing.
-"""
+"""The measured cost of a step (stdlib only): ``verify + draft + state`` seconds, each a measured curve
+(docs/adaptive.md, Costs)."""
 
 from __future__ import annotations
 
@@ -17,7 +7,6 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from scheduler.adaptive.config import AdaptiveConfig
 
@@ -32,8 +21,8 @@ def bucket(x: float) -> int:
 @dataclass
 class StepLoad:
     """What one step carries: the target's tokens and each draft forward's tokens and sequences. The one place
-    a round's shape becomes tokens: forward f carries level f and makes level f + 1 (the deepest level is never
-    forwarded); the first forward carries the tokens the draft has not seen yet."""
+    a round's shape becomes tokens: forward f carries level f and makes level f + 1; the first forward carries
+    the tokens the draft has not seen yet."""
 
     verify_tokens: float = 0.0
     forward_tokens: list[float] = field(default_factory=list)
@@ -69,8 +58,7 @@ class StepTiming:
     draft_s: float  # draft time the controller waited for (pipelining hides the rest)
     state_s: float  # schedule + commit/emit
     draft_prefill: bool = False  # the draft call also prefilled prompt chunks
-    draft_worker_s: float | None = None  # the worker's own share of draft_s (None: hidden, pipelined)
-    draft_forward_s: list[float] | None = None  # the worker's seconds of each forward, when timed apart
+    draft_forward_s: list[float] | None = None  # the worker's seconds of each forward (None: pipelined, hidden)
 
 
 @dataclass
@@ -89,8 +77,6 @@ class Curve:
     points: dict[int, _Point] = field(default_factory=dict)
     clock: int = 0
     _sorted: tuple[list[float], list[float]] | None = field(default=None, repr=False)
-
-    bucket = staticmethod(bucket)
 
     def observe(self, x: float, seconds: float) -> None:
         if x <= 0 or seconds < 0 or not math.isfinite(seconds):
@@ -159,11 +145,6 @@ def _monotone(ys: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-class SizeRecord(NamedTuple):
-    age: int | None  # steps of this batch size since the size was measured (None: nothing measured there)
-    measured: bool  # ever measured at this batch size
-
-
 @dataclass
 class CostModel:
     verify: Curve = field(default_factory=Curve)
@@ -172,7 +153,6 @@ class CostModel:
     draft_call: Curve = field(default_factory=Curve)
     verify_by_seqs: dict[int, Curve] = field(default_factory=dict)
     draft_by_seqs: dict[int, Curve] = field(default_factory=dict)
-    fallback: CostModel | None = field(default=None, repr=False)  # the greedy model, for a sampled one
 
     @property
     def ready(self) -> bool:
@@ -191,11 +171,8 @@ class CostModel:
                     self.draft.observe(n, sec)
                     self.draft_by_seqs.setdefault(bucket(q), Curve()).observe(n, sec)
                 self.draft_call.observe(fwd[0][0], max(0.0, t.draft_s - sum(t.draft_forward_s)))
-            else:  # not timed apart: each forward the mean, at its mean size
-                worker = t.draft_s if t.draft_worker_s is None else min(t.draft_s, t.draft_worker_s)
-                self.draft.observe(sum(n for n, _ in fwd) / len(fwd), worker / len(fwd))
-                if t.draft_worker_s is not None:
-                    self.draft_call.observe(fwd[0][0], max(0.0, t.draft_s - worker))
+            elif t.draft_forward_s is None:  # pipelined: each forward the mean of the wait, at its mean size
+                self.draft.observe(sum(n for n, _ in fwd) / len(fwd), t.draft_s / len(fwd))
         self.state.observe(load.num_seqs, t.state_s)
 
     def step_seconds(self, load: StepLoad) -> float:
@@ -203,39 +180,24 @@ class CostModel:
                 + self.draft_seconds(load.forward_tokens, load.forward_seqs) + self.state(load.num_seqs))
 
     def verify_seconds(self, tokens: float, num_seqs: int) -> float:
-        """This batch size's curve where it measured any (past its sizes, on the fallback's or the all-steps
-        shape); else the fallback's curve of that batch size times this regime's cost ratio; else all steps'."""
-        if tokens <= 0:
-            return self.verify(tokens)
-        b = bucket(num_seqs)
-        c = self.verify_by_seqs.get(b)
-        g = self.fallback.verify_by_seqs.get(b) if self.fallback is not None else None
-        g = g if g is not None and g.points else None
-        if c is not None and c.points:
-            return c.scaled(tokens, g if g is not None and len(g.points) >= 2 else self.verify)
-        if g is not None:
-            own, other = self.verify(tokens), self.fallback.verify(tokens)
-            return g(tokens) * max(1.0, own / other if own > 0 and other > 0 else 1.0)
-        return self.verify(tokens)
+        """This batch size's curve where it measured any (past its sizes, on the all-steps shape), else all steps'."""
+        c = self.verify_by_seqs.get(bucket(num_seqs))
+        return c.scaled(tokens, self.verify) if tokens > 0 and c is not None and c.points else self.verify(tokens)
 
     def knows_batch_size(self, num_seqs: int) -> bool:
-        """A plan at this batch size is priced from measurements of it (two sizes), or no batch-size curves are
-        kept at all (curves made by hand). Otherwise every verify size is another batch size's shape."""
-        models = [m for m in (self, self.fallback) if m is not None]
-        if not any(m.verify_by_seqs for m in models):
-            return True
-        b = bucket(num_seqs)
-        return any(b in m.verify_by_seqs and len(m.verify_by_seqs[b].points) >= 2 for m in models)
+        """This batch size measured at two sizes, or no batch-size curves kept at all (curves made by hand)."""
+        c = self.verify_by_seqs.get(bucket(num_seqs))
+        return not self.verify_by_seqs or (c is not None and len(c.points) >= 2)
 
-    def size_record(self, tokens: float, num_seqs: int) -> SizeRecord:
-        """What the curve pricing a target call of about these tokens knows of that size (ages count that
-        curve's steps; a size never measured there counts from the curve's first step)."""
+    def size_record(self, tokens: float, num_seqs: int) -> tuple[int | None, bool]:
+        """(age, measured) of this size on the curve pricing it: age in that curve's steps (never measured: since
+        its first step; None: the curve has measured nothing)."""
         c = self.verify_by_seqs.get(bucket(num_seqs))
         c = self.verify if c is None or not c.points else c
         p = c.points.get(bucket(tokens))
         if p is None:
-            return SizeRecord(c.clock if c.points else None, False)
-        return SizeRecord(c.clock - p.step, True)
+            return (c.clock if c.points else None), False
+        return c.clock - p.step, True
 
     def draft_seconds(self, tokens: Sequence[float], seqs: Sequence[int]) -> float:
         fwd = [(n, seqs[f] if f < len(seqs) else 0) for f, n in enumerate(tokens) if n > 0]
@@ -244,45 +206,28 @@ class CostModel:
         return self.draft_call(fwd[0][0]) + sum(self.draft_forward(n, q) for n, q in fwd)
 
     def draft_forward(self, tokens: float, num_seqs: int) -> float:
-        """The curve of forwards over about as many sequences; between measured counts linear in the sequences,
-        past the largest the line of the largest two (never below it); else the all-forwards curve."""
+        """The curve of forwards over about as many sequences (else the nearest count measured), extrapolated on
+        the all-forwards shape, the lower of the two (either alone kept requests from ever speculating)."""
         if tokens <= 0:
             return 0.0
-        if num_seqs <= 0 or not self.draft_by_seqs:
+        known = [k for k, c in self.draft_by_seqs.items() if c.points]
+        if num_seqs <= 0 or not known:
             return self.draft(tokens)
-        b = bucket(num_seqs)
-        own = self.draft_by_seqs.get(b)
-        if own is not None and own.points:
-            return self._draft_at(own, tokens)
-        known = sorted(k for k, c in self.draft_by_seqs.items() if c.points)
-        below, above = [k for k in known if k < b], [k for k in known if k > b]
-        if not below:  # fewer sequences than any measured never cost more
-            return self._draft_at(self.draft_by_seqs[above[0]], tokens) if above else self.draft(tokens)
-        if not above and len(below) == 1:
-            return self._draft_at(self.draft_by_seqs[below[-1]], tokens)
-        a, z = (below[-1], above[0]) if above else (below[-2], below[-1])
-        y0, y1 = self._draft_at(self.draft_by_seqs[a], tokens), self._draft_at(self.draft_by_seqs[z], tokens)
-        out = y0 + (y1 - y0) * (num_seqs - 2 ** a) / (2 ** z - 2 ** a)
-        return out if above else max(out, y1)
-
-    def _draft_at(self, c: Curve, tokens: float) -> float:
-        # The lower extrapolation: the all-forwards shape mixes larger batches, a one-sequence line of 1-2 tokens
-        # overprices a long catch-up; either alone kept requests from ever speculating.
-        return c.scaled(tokens, self.draft, lower=True)
+        b = min(known, key=lambda k: (abs(k - bucket(num_seqs)), -k))
+        return self.draft_by_seqs[b].scaled(tokens, self.draft, lower=True)
 
     def to_dict(self) -> dict:
-        return {"verify": _curve_to_dict(self.verify), "draft": _curve_to_dict(self.draft),
-                "state": _curve_to_dict(self.state), "draft_call": _curve_to_dict(self.draft_call),
-                "verify_by_seqs": {str(b): _curve_to_dict(c) for b, c in sorted(self.verify_by_seqs.items())},
-                "draft_by_seqs": {str(b): _curve_to_dict(c) for b, c in sorted(self.draft_by_seqs.items())}}
+        return {**{n: _curve_to_dict(getattr(self, n)) for n in _CURVES},
+                **{n: {str(b): _curve_to_dict(c) for b, c in sorted(getattr(self, n).items())} for n in _BY_SEQS}}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         """The inverse of ``to_dict``; ValueError on anything but finite, non-negative points (a file is input)."""
-        return cls(verify=_curve_from_dict(d["verify"]), draft=_curve_from_dict(d["draft"]),
-                   state=_curve_from_dict(d["state"]), draft_call=_curve_from_dict(d["draft_call"]),
-                   verify_by_seqs={int(b): _curve_from_dict(c) for b, c in d["verify_by_seqs"].items()},
-                   draft_by_seqs={int(b): _curve_from_dict(c) for b, c in d["draft_by_seqs"].items()})
+        return cls(**{n: _curve_from_dict(d[n]) for n in _CURVES},
+                   **{n: {int(b): _curve_from_dict(c) for b, c in d[n].items()} for n in _BY_SEQS})
+
+
+_CURVES, _BY_SEQS = ("verify", "draft", "state", "draft_call"), ("verify_by_seqs", "draft_by_seqs")
 
 
 def _curve_to_dict(c: Curve) -> dict:

@@ -1,11 +1,5 @@
-"""One exploration mechanism (stdlib only): how often to run, for a step or a burst, something not in use so
-that its measurement stays current, and how much better an alternative must be to take over.
-
-Used by the adaptive policy (the step sizes of plans it is not running) and by the pipelining switch (the mode
-it is not running). An exploration that loses ``loss`` chosen steps is run every ``loss / explore_budget`` steps,
-so exploring costs ~``explore_budget`` of the time when the prediction is right, between ``explore_min`` and
-``explore_every`` steps; ``odds`` < 1 (the alternative is predicted far worse) stretches it further.
-"""
+"""One exploration mechanism, for the policy's plan sizes and the pipelining switch's modes (stdlib only): how
+often to run something not in use so its measurement stays current, and how much an alternative must win by."""
 
 from __future__ import annotations
 
@@ -18,20 +12,12 @@ from scheduler.adaptive.config import AdaptiveConfig
 class Explorer:
     config: AdaptiveConfig
 
-    def interval(self, loss: float, measured: bool = True, odds: float = 1.0, steps: int = 1) -> float:
-        """Steps between explorations that each lose ``loss`` chosen steps and run ``steps`` steps (a burst): at
-        least ``explore_min`` chosen steps per exploring one, except for a thing never measured, explored as soon
-        as the budget allows."""
+    def interval(self, loss: float, measured: bool = True, steps: int = 1) -> float:
+        """Steps between explorations that each lose ``loss`` chosen steps (``explore_budget`` of the time) and
+        run ``steps`` steps: at least ``explore_min`` per exploring step, unless never measured."""
         c = self.config
         low = c.explore_min * steps if measured else 0
-        base = min(c.explore_every, max(low, loss / c.explore_budget))
-        return min(c.explore_every, base / max(odds, 1e-2))
-
-    def odds(self, rate: float, chosen_rate: float) -> float:
-        """An alternative's share of the budget: (its rate / the chosen one's) ** explore_odds, at most 1."""
-        if chosen_rate <= 0:
-            return 1.0
-        return max(0.01, min(1.0, rate / chosen_rate)) ** self.config.explore_odds
+        return min(c.explore_every, max(low, loss / c.explore_budget))
 
     def beats(self, new: float, old: float) -> bool:
         """Whether ``new`` (a rate: more is better) wins over ``old`` by the hysteresis."""

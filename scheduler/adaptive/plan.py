@@ -1,15 +1,5 @@
-"""The planner: each request's round this step, chosen to maximise the batch's expected tokens per second (pure).
-
-    rate = E[tokens] / seconds,  E[tokens] = sum_i (1 + sum_{j<k_i} prod_{m<=j} alpha_im)
-
-Chains: a request's j-th candidate is worth prod_{m<=j} alpha_im (reached and accepted), non-increasing in j.
-Adding candidates in order of value across the batch gives the allocations worth pricing; each prefix of that
-order under each depth cap (a draft forward costs something whatever it carries) is priced and the best kept.
-Plain decode for everyone is the empty prefix; speculating must beat it by ``spec_margin``. The configured tree
-for everyone is the other menu item. The previous step's shapes, re-priced, stay unless beaten by ``hysteresis``.
-
-A round's source is a name priced with its own acceptance and costs: today the draft model, or plain decode.
-"""
+"""The planner (pure): each request's round this step, chosen to maximise the batch's expected tokens per second
+(docs/adaptive.md, The planner). A round's source is a name priced with its own acceptance and costs."""
 
 from __future__ import annotations
 
@@ -45,10 +35,6 @@ class Round:
     seq_id: int
     source: str
     shape: tuple[int, ...]  # branching per level; () for plain decode
-
-    @property
-    def depth(self) -> int:
-        return len(self.shape)
 
 
 @dataclass
@@ -124,8 +110,8 @@ def plan(reqs: Sequence[Req], costs: CostModel, tree: tuple[int, ...], config: A
 
 
 def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -> Plan:
-    """For each depth cap D, the best prefix (by value) of the candidates no deeper than D; the best of those
-    if it beats plain decode by ``spec_margin``, else plain decode. Pinned requests keep their shapes."""
+    """Candidates by value; per depth cap the best prefix of those under it; the best if it beats plain decode
+    by ``spec_margin``. Pinned requests keep their shapes."""
     free = [i for i, r in enumerate(reqs) if r.pinned is None]
     base, tokens0 = StepLoad(), 0.0
     for r in reqs:
@@ -136,12 +122,8 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
     plain_rate = tokens0 / max(costs.step_seconds(base), 1e-12)
     best_rate, best_cut = plain_rate, []
     deepest = max((j for _, j, _ in cands), default=-1) + 1
-    priced: list = []
     for cap in range(deepest, 0, -1):
         cut = [c for c in cands if c[1] < cap]
-        if priced and priced[: len(cut)] == cut:
-            continue  # every prefix of it was priced already (batch 1: each cap's cut is a prefix of the deepest)
-        priced = cut if len(cut) <= config.search_prices else []
         n, rate = _best_prefix(reqs, cut, base, tokens0, costs, config.search_prices)
         if n and rate > best_rate:
             best_rate, best_cut = rate, cut[:n]
@@ -155,9 +137,8 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
 
 def _best_prefix(reqs: Sequence[Req], cands: list[tuple[float, int, int]], base: StepLoad, tokens: float,
                  costs: CostModel, prices: int) -> tuple[int, float]:
-    """The best non-empty prefix of ``cands`` on top of ``base``: its length and rate. Every prefix is priced
-    in ~``prices`` strides; no early stop (the first candidates pay the call's fixed part, so the rate
-    can dip and recover)."""
+    """The best non-empty prefix of ``cands`` on top of ``base`` (its length and rate), priced in ~``prices``
+    strides with no early stop: the first candidates pay the call's fixed part, so the rate dips and recovers."""
     load = dataclasses.replace(base, forward_tokens=list(base.forward_tokens), forward_seqs=list(base.forward_seqs))
     reached = [0.0] * len(reqs)  # value of each request's deepest candidate so far
     best_n, best_rate = 0, 0.0

@@ -1,12 +1,5 @@
-"""The adaptive speculation policy: each step, every request's round by measured costs and acceptance.
-
-It answers the scheduler's ``SpecPolicy`` interface (``plan``: each decoding request's branching), learns from
-every round (``observe_round``) and every timed step (``observe_step``), and runs the planner
-(scheduler/adaptive/plan.py) on per-request views. Until the curves can price a plan, plain decode and a few
-requests at the configured shape take turns; afterwards, now and then, one step runs a plan not in use to keep
-its size measured (scheduler/adaptive/explore.py). Seeded sampled requests are pinned to the configured shape:
-their tokens depend on the depths their rounds ran, and the same seed must give the same output under any load.
-"""
+"""The adaptive speculation policy (docs/adaptive.md): the scheduler's ``SpecPolicy`` interface around the
+planner, learning from every round (``observe_round``) and timed step (``observe_step``), exploring now and then."""
 
 from __future__ import annotations
 
@@ -37,13 +30,9 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker | None = None
     observing: bool = True  # False: step times are not learned
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): start-up profiling
-    explored_steps: int = 0
-    last_plan: Plan | None = None
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
-    _speculating: bool | None = None
-    _mode_steps: int = 0  # steps since the chosen plan started or stopped speculating
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -54,15 +43,8 @@ class AdaptivePolicy:
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
         return self.base.depth(num_tokens, remaining_tokens)
 
-    def num_nodes(self, depth: int) -> int:
-        return self.base.num_nodes(depth)
-
-    def cap(self, req: Request) -> int:
-        return self.base.cap(req)
-
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
-        self.acceptance.observe(req.seq_id, req.params.greedy, any(w > 1 for w in branching), len(branching),
-                                num_accepted)
+        self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
@@ -77,7 +59,6 @@ class AdaptivePolicy:
         (self.sampled_costs if load.sampled else self.costs).observe(load, timing)
 
     def forget(self, seq_id: int) -> None:
-        self.acceptance.forget(seq_id)
         self._last.pop(seq_id, None)
 
     def reach(self, greedy: bool, depth: int) -> list[float]:
@@ -100,9 +81,10 @@ class AdaptivePolicy:
         if self.forced is not None:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             return [self.forced[: self.base.cap(r)] for r in reqs]
-        priors = {g: self.acceptance.engine_rates(g, len(tree)) for g in (False, True)}
+        rates = {g: (self.acceptance.rates(g, len(tree)), self.acceptance.rates(g, len(tree), tree)
+                     if any(w > 1 for w in tree) else None) for g in (False, True)}
         pins = self._pins(reqs)
-        views = [self._view(r, priors[r.params.greedy], tree[: self.base.cap(r)] if p else None)
+        views = [self._view(r, *rates[r.params.greedy], tree[: self.base.cap(r)] if p else None)
                  for r, p in zip(reqs, pins, strict=True)]
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
@@ -112,25 +94,19 @@ class AdaptivePolicy:
         if not costs.ready:
             return self._cold(views, fixed)
         best = plan(views, costs, tree, self.config, self._last)
-        for v, s in zip(views, best.shapes, strict=True):
-            self._last[v.seq_id] = s
-        self.last_plan = best
-        explore = self._exploration(views, best, fixed, costs, prefill)
-        if explore is not None:
-            self.explored_steps += 1
-            self.last_plan = explore
-        return self.last_plan.shapes
+        self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
+        return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
-    def _view(self, r: Request, prior: list[float], pin: tuple[int, ...] | None = None) -> Req:
+    def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
+              pin: tuple[int, ...] | None = None) -> Req:
         cap = self.base.cap(r)
         catchup = max(1, r.num_tokens - r.num_cached_draft)
         inflight = max(1, r.num_tokens - r.num_cached_target)
-        if not prior:  # forced shapes: only the step's accounting is needed
+        if not rates:  # forced shapes: only the step's accounting is needed
             return Req(r.seq_id, cap, inflight, catchup, [], greedy=r.params.greedy)
-        rates = self.acceptance.rates(r.seq_id, r.params.greedy, cap, prior=prior)
-        tree = self.base.tree.branching[:cap]
-        tree_rates = (self.acceptance.rates(r.seq_id, r.params.greedy, cap, tree)
-                      if any(w > 1 for w in tree) else None)
+        rates = rates[:cap]
+        if tree_rates is not None and not any(w > 1 for w in self.base.tree.branching[:cap]):
+            tree_rates = None
         remaining = min(r.remaining_tokens, self.base.max_model_len - r.num_tokens)
         # The catch-up is paid once: priced spread over the rounds the request has left if it speculates now.
         lag = 1.0
@@ -152,82 +128,52 @@ class AdaptivePolicy:
         return pin
 
     def _costs_for(self, views: Sequence[Req]) -> CostModel:
-        if any(not v.greedy for v in views) and self.sampled_costs.ready:
-            self.sampled_costs.fallback = self.costs
-            return self.sampled_costs
-        return self.costs
+        return self.sampled_costs if any(not v.greedy for v in views) and self.sampled_costs.ready else self.costs
 
     def _cold(self, views: list[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """While the curves cannot price a plan: what measures them, stalling the batch least. Pinned rounds that
-        speculate measure a speculative size; else plain decode and a few requests at the configured shape alternate."""
+        """While the curves cannot price a plan: pinned rounds, else plain decode and a few requests at the
+        configured shape in turn (what measures the curves, stalling the batch least)."""
         plain = [v.pinned or () for v in views]
-        if any(plain):
-            return plain
         self._cold_steps += 1
-        turns = self._few_speculate(views, fixed) if self._cold_steps % 2 == 0 else []
-        return turns[-1] if turns else plain
+        return plain if any(plain) or self._cold_steps % 2 else self._few_speculate(views, fixed)
 
-    def _few_speculate(self, views: Sequence[Req], fixed: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-        """As many candidate nodes as chains of 1, and of half the configured depth, for every free request, but
-        carried by the fewest (those whose draft has least to catch up): the verify size is what needs measuring,
-        and every request that speculates first feeds its draft its whole prefix."""
+    def _few_speculate(self, views: Sequence[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """As many candidate nodes as chains of half the configured depth for every free request, carried by the
+        fewest (least draft to catch up): the verify size is what needs measuring, and every request that first
+        speculates feeds its draft its whole prefix."""
         free = sorted((i for i, v in enumerate(views) if v.pinned is None), key=lambda i: (views[i].catchup, i))
-        depth = max((len(f) for f in fixed), default=0)
-        out: list[list[tuple[int, ...]]] = []
-        for target in (len(free), max(1, len(free) * depth // 2)):
-            shapes = [v.pinned or () for v in views]
-            left = target
-            for i in free:
-                if left <= 0:
-                    break
-                d = len(fixed[i])
-                while d > 1 and _nodes(fixed[i][:d]) > left:
-                    d -= 1
-                shapes[i] = fixed[i][:d]
-                left -= _nodes(shapes[i])
-            if any(shapes) and shapes not in out:
-                out.append(shapes)
-        return out
+        shapes = [v.pinned or () for v in views]
+        left = max(1, len(free) * max((len(f) for f in fixed), default=0) // 2)
+        for i in free:
+            if left <= 0:
+                break
+            d = len(fixed[i])
+            while d > 1 and _nodes(fixed[i][:d]) > left:
+                d -= 1
+            shapes[i] = fixed[i][:d]
+            left -= _nodes(shapes[i])
+        return shapes
 
     def _exploration(self, views: list[Req], chosen: Plan, fixed: list[tuple[int, ...]], costs: CostModel,
                      prefill: bool) -> Plan | None:
         """One step of a plan not in use (plain decode or the configured shape while speculating; else a few
-        requests at the configured shape) when its verify size, at this batch size, is due by the budget. A size
-        never measured here counts its age from when the chosen plan last started or stopped speculating."""
-        cfg = self.config
-        speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
-        self._mode_steps = self._mode_steps + 1 if speculating == self._speculating else 0
-        self._speculating = speculating
+        requests at the configured shape) when its verify size, at this batch size, is due by the budget."""
         if prefill:
             return None
-        plain = [v.pinned or () for v in views]
-        cands = [plain, fixed] if speculating else self._few_speculate(views, fixed)
-        cands = [c for c in cands if c != chosen.shapes]
-        records = [costs.size_record(real_load(views, c).verify_tokens, len(views)) for c in cands]
-        records = [r if r.measured or r.age is None else r._replace(age=min(r.age, self._mode_steps)) for r in records]
-        if all(r.age is not None and r.age < cfg.explore_min and r.measured for r in records):
-            return None
-        alternatives = not speculating  # two sizes, either of which measures what plain decode lacks
-        timed = []
-        for c, rec in zip(cands, records, strict=True):
-            if rec.age is None:
-                return price(views, c, costs, steady=False)
-            if not (alternatives or rec.age >= cfg.explore_min or not rec.measured):
+        speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
+        cands = [[v.pinned or () for v in views], fixed] if speculating else [self._few_speculate(views, fixed)]
+        due = []
+        for c in cands:
+            if c == chosen.shapes:
                 continue
-            real, steady = price(views, c, costs, steady=False), price(views, c, costs).rate
-            if real.seconds > cfg.explore_stall * chosen.seconds and steady < cfg.explore_floor * chosen.rate:
-                continue  # dear, and only a curve wrong by 1 / explore_floor could make it the better plan
-            if chosen.rate <= 0 or chosen.seconds <= 0:
-                interval = float(cfg.explore_every)
-            else:  # chosen steps lost; a step many chosen steps long stalls every stream: its budget shrinks
-                loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds
-                loss /= min(1.0, cfg.explore_stall * chosen.seconds / max(real.seconds, 1e-9))
-                odds = self.explorer.odds(steady, chosen.rate) if alternatives and rec.measured else 1.0
-                interval = self.explorer.interval(loss, rec.measured, odds)
-            timed.append((interval, rec.age, real))
-        if timed and alternatives:
-            timed = [min(timed, key=lambda t: t[0])]
-        due = [(age / max(interval, 1.0), p) for interval, age, p in timed if age >= interval]
+            age, measured = costs.size_record(real_load(views, c).verify_tokens, len(views))
+            real = price(views, c, costs, steady=False)
+            if age is None:
+                return real
+            loss = (real.seconds - real.tokens / chosen.rate) / chosen.seconds if chosen.rate > 0 else math.inf
+            interval = self.explorer.interval(loss, measured)
+            if age >= interval:
+                due.append((age / max(interval, 1.0), real))
         return max(due, key=lambda t: t[0])[1] if due else None
 
 
