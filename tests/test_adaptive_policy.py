@@ -188,3 +188,18 @@ def test_seeded_sampled_requests_are_pinned_to_the_configured_shape() -> None:
     steps = _run(policy, reqs, 60, verify_ms=5.0, draft_ms=20.0, accepted=0)  # speculation cannot pay
     assert all(st[0] == (2, 1, 1) for st in steps)
     assert sum(not st[1] for st in steps[30:]) >= 25
+
+
+def test_the_policys_config_sets_how_far_a_measurement_moves_its_cost_curves() -> None:
+    """curve_decay / curve_max_jump reach every curve of the policy's cost models, the ones made later too."""
+    load = StepLoad(verify_tokens=8, num_seqs=8)
+
+    def verify_after_a_slow_step(config: AdaptiveConfig) -> float:
+        policy = AdaptivePolicy(SpecPolicy(TreeShape((1, 1)), 4096, 4096), config=config)
+        for seconds in (0.010, 0.010, 0.030):  # two steady steps, then one three times slower
+            policy.costs.observe(load, StepTiming(verify_s=seconds, draft_s=0.0, state_s=0.0))
+        return policy.costs.verify_seconds(8, 8)
+
+    assert verify_after_a_slow_step(AdaptiveConfig()) == pytest.approx(0.012)  # curve_decay 0.1 of the way
+    assert verify_after_a_slow_step(AdaptiveConfig(curve_decay=0.8)) == pytest.approx(0.020)  # max_jump 0.5 caps it
+    assert verify_after_a_slow_step(AdaptiveConfig(curve_decay=1.0, curve_max_jump=1.0)) == pytest.approx(0.030)

@@ -107,7 +107,8 @@ def load_profile(path: Path, policy: AdaptivePolicy) -> bool:
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
             return False
-        greedy, sampled = CostModel.from_dict(data["greedy"]), CostModel.from_dict(data["sampled"])
+        greedy = CostModel.from_dict(data["greedy"], policy.config)
+        sampled = CostModel.from_dict(data["sampled"], policy.config)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
     if not greedy.ready:
@@ -157,7 +158,7 @@ def profile(engine: LLMEngine, policy: AdaptivePolicy, budget_s: float) -> int:
         # The first calls pay one-off costs (allocator, kernels' first run): one round, then forgotten.
         policy.forced = tree
         steps += _group(engine, policy, rng, 1, 0.0, len(tree), rounds=1)
-        policy.costs, policy.sampled_costs = CostModel(), CostModel()
+        policy.costs, policy.sampled_costs = CostModel(policy.config), CostModel(policy.config)
         groups = [(b, s, t) for b in batches for t in (0.0, 0.8) for s in shapes[:2]]
         groups += [(b, s, t) for b in batches for s in shapes[2:] for t in (0.0, 0.8)]
         for b, shape, temperature in groups:

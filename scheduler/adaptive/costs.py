@@ -147,12 +147,20 @@ def _monotone(ys: list[float]) -> list[float]:
 
 @dataclass
 class CostModel:
+    config: AdaptiveConfig = _DEFAULTS  # its curves' memory: curve_decay, curve_max_jump
     verify: Curve = field(default_factory=Curve)
     draft: Curve = field(default_factory=Curve)
     state: Curve = field(default_factory=Curve)
     draft_call: Curve = field(default_factory=Curve)
     verify_by_seqs: dict[int, Curve] = field(default_factory=dict)
     draft_by_seqs: dict[int, Curve] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for c in [getattr(self, n) for n in _CURVES] + [c for n in _BY_SEQS for c in getattr(self, n).values()]:
+            c.decay, c.max_jump = self.config.curve_decay, self.config.curve_max_jump
+
+    def _curve(self) -> Curve:
+        return Curve(self.config.curve_decay, self.config.curve_max_jump)
 
     @property
     def ready(self) -> bool:
@@ -163,13 +171,13 @@ class CostModel:
         self.verify.observe(load.verify_tokens, t.verify_s)
         # Prompt chunks are many tokens per sequence, far cheaper per token: not the batch size's decode curve.
         if load.num_seqs > 0 and not load.prefill_tokens:
-            self.verify_by_seqs.setdefault(bucket(load.num_seqs), Curve()).observe(load.verify_tokens, t.verify_s)
+            self.verify_by_seqs.setdefault(bucket(load.num_seqs), self._curve()).observe(load.verify_tokens, t.verify_s)
         fwd = [(n, q) for n, q in zip(load.forward_tokens, load.forward_seqs, strict=True) if n > 0]
         if fwd and not t.draft_prefill:
             if t.draft_forward_s is not None and len(t.draft_forward_s) == len(fwd):
                 for (n, q), sec in zip(fwd, t.draft_forward_s, strict=True):
                     self.draft.observe(n, sec)
-                    self.draft_by_seqs.setdefault(bucket(q), Curve()).observe(n, sec)
+                    self.draft_by_seqs.setdefault(bucket(q), self._curve()).observe(n, sec)
                 self.draft_call.observe(fwd[0][0], max(0.0, t.draft_s - sum(t.draft_forward_s)))
             elif t.draft_forward_s is None:  # pipelined: each forward the mean of the wait, at its mean size
                 self.draft.observe(sum(n for n, _ in fwd) / len(fwd), t.draft_s / len(fwd))
@@ -221,9 +229,9 @@ class CostModel:
                 **{n: {str(b): _curve_to_dict(c) for b, c in sorted(getattr(self, n).items())} for n in _BY_SEQS}}
 
     @classmethod
-    def from_dict(cls, d: dict) -> CostModel:
+    def from_dict(cls, d: dict, config: AdaptiveConfig = _DEFAULTS) -> CostModel:
         """The inverse of ``to_dict``; ValueError on anything but finite, non-negative points (a file is input)."""
-        return cls(**{n: _curve_from_dict(d[n]) for n in _CURVES},
+        return cls(config, **{n: _curve_from_dict(d[n]) for n in _CURVES},
                    **{n: {int(b): _curve_from_dict(c) for b, c in d[n].items()} for n in _BY_SEQS})
 
 

@@ -3,6 +3,7 @@ planner, learning from every round (``observe_round``) and timed step (``observe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if self.acceptance is None:
             self.acceptance = AcceptanceTracker(self.config)
+        self.costs = dataclasses.replace(self.costs, config=self.config)
+        self.sampled_costs = dataclasses.replace(self.sampled_costs, config=self.config)
         self.explorer = Explorer(self.config)
 
     # ------------------------------------------------------------------------------ the SpecPolicy interface
