@@ -1,11 +1,16 @@
-"""Pipelining where it pays: each step runs pipelined or sequential, whichever is measured cheaper per emitted
-token in the step's regime (sampled or greedy, batch-size bucket). Pipelining hides the draft behind verification
-but competes with the target (a core, memory bandwidth, the interpreter lock), and a step skips its re-draft only
-if all its rounds hit. Outputs do not depend on the mode: a pre-drafted tree is the tree a re-draft would propose.
+"""Pipelining where it pays: each step of a pipelined engine runs pipelined or sequential, whichever is measured
+cheaper per emitted token in the step's regime (sampled or greedy, batch-size bucket).
 
-Cost per token: decayed sums of steady steps (the previous step ran the same mode; no prompt chunks). A regime
-measures sequential steps first (they cannot cost a core); the other mode is explored in bursts spaced by the
-shared exploration budget (scheduler/adaptive/explore.py) and takes over once it wins by the hysteresis.
+Pipelining hides the draft behind verification but costs something: the pre-draft competes with the target (a
+core, memory bandwidth, the interpreter lock), and at batch b a step skips its re-draft only if all b rounds hit.
+A *sequential* step pre-drafts nothing, so the next one drafts every round from its real prefix. Outputs do not
+depend on the mode: a pre-drafted tree is the tree a re-draft would propose.
+
+Cost per token: decayed sums of steady steps' seconds and tokens per regime and mode (a step is steady when the
+previous one ran the same mode; steps with prompt chunks are not counted). First ``switch_samples`` steady steps
+sequential (it cannot cost a core), then pipelined ones, cut short once one costs ``switch_give_up`` times a
+sequential one; then the cheaper mode, switching only when the other wins by the hysteresis, with bursts of the
+other mode spaced by the shared exploration budget (scheduler/adaptive/explore.py).
 """
 
 from __future__ import annotations
@@ -60,27 +65,35 @@ class PipelineSwitch:
         if not self.enabled:
             return PIPELINED
         c, g = self.config, self._regimes.setdefault(key, _Regime())
-        cur, other = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
-        if g.explore_left > 0 or cur is None:
-            g.explore_left = max(0, g.explore_left - 1)
-            return g.mode if cur is None else not g.mode
+        if g.explore_left > 0:
+            g.explore_left -= 1
+            return not g.mode
+        seq, pipe = g.cost[SEQUENTIAL], g.cost[PIPELINED]
+        if seq.samples < c.switch_samples:
+            return SEQUENTIAL
+        if pipe.samples < c.switch_samples and not (pipe.samples and pipe.per_token() > c.switch_give_up
+                                                   * seq.per_token()):
+            return PIPELINED
         g.since_explore += 1
-        loss = c.switch_burst * (other / cur - 1) if other is not None and cur > 0 else 0.0
-        if g.since_explore >= Explorer(c).interval(loss, other is not None, steps=c.switch_burst):
+        cur, other = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
+        loss = c.switch_burst * (other / cur - 1) if cur and other is not None else 0.0
+        if g.since_explore >= Explorer(c).interval(loss, steps=c.switch_burst):
             g.since_explore, g.explore_left = 0, c.switch_burst - 1
             return not g.mode
         return g.mode
 
     def observe(self, key: Regime, mode: bool, steady: bool, seconds: float, tokens: int) -> None:
-        """A finished step: counted if steady; then the other mode takes over if a burst shows it wins."""
+        """A finished step: counted if steady; then the regime's mode is re-chosen with the hysteresis."""
         if self.force is not None or not self.enabled or not steady or tokens <= 0:
             return
         c, g = self.config, self._regimes.setdefault(key, _Regime())
-        own = g.cost[mode]
+        own, other = g.cost[mode], g.cost[not mode]
         own.seconds, own.tokens = c.switch_keep * own.seconds + seconds, c.switch_keep * own.tokens + tokens
         own.samples += 1
+        other.seconds, other.tokens = c.switch_age * other.seconds, c.switch_age * other.tokens
         cur, alt = g.cost[g.mode].per_token(), g.cost[not g.mode].per_token()
-        if cur and alt and g.cost[not g.mode].samples >= c.switch_burst - 1 and Explorer(c).beats(1 / alt, 1 / cur):
+        if (cur and alt and g.cost[not g.mode].samples >= c.switch_samples
+                and Explorer(c).beats(1 / alt, 1 / cur)):
             g.mode, g.since_explore, g.switches = not g.mode, 0, g.switches + 1
 
     def as_dict(self) -> dict:

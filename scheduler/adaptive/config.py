@@ -30,8 +30,11 @@ class AdaptiveConfig:
     profile_rounds: int = 4  # rounds per dummy group after the two not learned from (prefill, first round)
     profile_max_age_s: float = 7 * 24 * 3600  # a cached profile older than this is measured again (load, drift)
     # Pipelining switch.
+    switch_samples: int = 3  # steady steps of each mode before the first choice: evidence vs early gains
+    switch_give_up: float = 1.3  # ... unless a pipelined one already costs this many times a sequential one
     switch_burst: int = 3  # steps of a burst of the other mode (the first is a transition): evidence vs cost
     switch_keep: float = 0.8  # decay of a mode's cost sums per sample of it: reaction vs noise
+    switch_age: float = 0.97  # ... and per sample of the other mode: a rarely run mode's old steps fade
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -39,11 +42,12 @@ class AdaptiveConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ValueError(f"adaptive config: {f.name} must be a non-negative number, got {v!r}")
         for name in ("acceptance_decay", "idle_decay", "curve_decay", "curve_max_jump", "explore_budget",
-                     "switch_keep"):
+                     "switch_keep", "switch_age"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive config: {name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.explore_min > self.explore_every:
             raise ValueError(f"adaptive config: explore_min ({self.explore_min}) exceeds explore_every "
                              f"({self.explore_every})")
-        if self.switch_burst < 2:
-            raise ValueError("adaptive config: switch_burst must be at least 2 (its first step is a transition)")
+        if self.switch_burst < 2 or self.switch_samples < 1:
+            raise ValueError("adaptive config: switch_burst must be at least 2 (its first step is a transition) "
+                             "and switch_samples at least 1")
