@@ -37,12 +37,12 @@ class VerifiedRound(Protocol):
     bonus: bool
 
 
-
 class RoundSink(Protocol):
     """Totals over every request's rounds (engine/core/metrics.py ``SpecDecodingStats``)."""
 
     def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool,
                      branching: tuple[int, ...] = ()) -> None: ...
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

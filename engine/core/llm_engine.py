@@ -26,6 +26,7 @@ from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
 from engine.execution.recovery import Recovery
+from engine.execution.role import Role
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.block_manager import BlockManager
 from scheduler.request import FinishReason, Request
@@ -244,9 +245,9 @@ class LLMEngine:
             raise
 
     # ------------------------------------------------------------------------------------- worker recovery
-    def lose_worker_state(self, role: str) -> None:
+    def lose_worker_state(self, role: Role) -> None:
         """``role``'s workers were replaced and their caches are empty: start over from the requests' tokens."""
-        if role == "target":
+        if role == Role.TARGET:
             self._requeued_ids += [r.seq_id for r in requeue_all(self.scheduler)]
             if self.draft_up:
                 self.drafter = self._new_drafter()  # nothing pre-drafted or pending survives

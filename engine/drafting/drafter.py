@@ -64,15 +64,14 @@ class DraftCalls:
     executor: object  # engine.execution.executor.Executor
     times: StepTimes
     tables: Mapping[int, list[int]]  # the draft's block tables (the scheduler's; read only)
+    # the last waited-for call's forwards (worker seconds each; the engine clears it before a step it times)
+    forward_s: list[float] = field(default_factory=list)
 
     def submit(self, msg: DraftStep) -> None:
         self.executor.submit_draft(msg)
 
     def wait(self) -> DraftStepOutput:
         return self.executor.wait_draft()
-
-    # the last waited-for call's forwards (worker seconds each; the engine clears it before a step it times)
-    forward_s: list[float] = field(default_factory=list)
 
     def run(self, msg: DraftStep) -> DraftStepOutput:
         """A call the controller waits for: its worker time counts as the step's draft time."""
