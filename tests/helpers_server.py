@@ -68,12 +68,12 @@ class SubprocessServer:
 class ThreadServer:
     """An ASGI app served by uvicorn on an ephemeral loopback port, in a thread with its own event loop."""
 
-    def __init__(self, app, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, app, start_timeout_s: float = 30.0, http: type | str = "auto") -> None:
         import uvicorn
 
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
         self.thread.start()
@@ -209,14 +209,15 @@ def fake_stats(engine: FakeEngine):
 
 
 def fake_app(engine: FakeEngine, *, max_queue: int = 16, api_key: str | None = None, name: str = "fake",
-             tokenizer: bool = True):
+             tokenizer: bool = True, limits=None):
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
 
     ae = AsyncEngine(engine, max_queue=max_queue, metrics=ServerMetrics(name), stats_reader=fake_stats)
-    return build_app(ae, ServerConfig(name), FakeTokenizer() if tokenizer else None, api_key=api_key), ae
+    return build_app(ae, ServerConfig(name), FakeTokenizer() if tokenizer else None, api_key=api_key,
+                     limits=limits), ae
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
