@@ -136,6 +136,11 @@ class Serving:
                      field: str, priority: int = 0) -> list[RequestStream]:
         """Queue every prompt at once (one engine iteration acknowledges them all); all or nothing.
         ``priority``: 0 online; batch jobs submit at 1 so online requests go first."""
+        ae = self.engine
+        if len(prompts) > ae.capacity:  # a 429 would send the client back forever: it can never fit
+            raise APIError(400, f"{field}: {len(prompts)} prompts in one request, more than this server can ever "
+                                f"hold at once (--max-num-seqs {ae.max_num_seqs} running + --max-queue "
+                                f"{ae.max_queue} waiting = {ae.capacity}); split the request", field)
         results = await asyncio.gather(*[self.engine.add_request(f"{base_id}-{i}", p, sp, priority=priority)
                                          for i, (p, sp) in enumerate(zip(prompts, params, strict=True))],
                                        return_exceptions=True)
