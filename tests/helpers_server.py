@@ -135,6 +135,8 @@ class FakeEngine:
     step, as a dying worker would.
     """
 
+    vocab_size = 128  # the ids FakeTokenizer makes
+
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_s: float = 0.0,
                  fail_at_step: int | None = None, text: bool = True) -> None:
         self.max_num_seqs = max_num_seqs
@@ -149,7 +151,7 @@ class FakeEngine:
         self.shut_down = False
         self.thread_ids: set[int] = set()  # threads that called into the engine (must be exactly one)
 
-    def add_request(self, request_id: str, prompt, params) -> None:
+    def add_request(self, request_id: str, prompt, params, priority: int = 0) -> None:
         self.thread_ids.add(threading.get_ident())
         ids = FakeTokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) >= self.max_model_len:

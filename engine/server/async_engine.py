@@ -85,6 +85,7 @@ class AsyncEngine:
         self._engine_down = False  # the current engine has been shut down
         self.max_model_len: int = engine.max_model_len  # fixed at construction: safe to read from any thread
         self.max_num_seqs: int = read_max_num_seqs(engine)
+        self.vocab_size: int | None = getattr(engine, "vocab_size", None)  # bounds top_k in the front end's 400s
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self.metrics = metrics

@@ -128,7 +128,7 @@ class Serving:
 
     def sampling_params(self, req: Any, max_tokens: int) -> Any:
         try:
-            return req.sampling_params(max_tokens)
+            return req.sampling_params(max_tokens, self.engine.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), set(type(req).model_fields))) from e
 
