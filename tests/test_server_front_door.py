@@ -153,6 +153,21 @@ def test_slow_clients_are_dropped_in_time(srv, shape: str) -> None:
     assert after == before + 1
 
 
+def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(srv) -> None:
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(LIMITS.header_timeout_s * 1.5)  # idle between requests: not a slow client
+        s.sendall(SLOW["headers"])
+        t0 = time.monotonic()
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        took = time.monotonic() - t0
+    assert got.startswith(b"HTTP/1.1 408") and LIMITS.header_timeout_s * 0.8 < took < LIMITS.header_timeout_s + 1.5
+
+
 def test_an_unauthenticated_trickle_is_closed_at_once() -> None:
     """The key is checked on the headers: a 401 goes out and the connection closes, whatever the body does."""
     s = _server(api_key=KEY)

@@ -179,17 +179,17 @@ def limited_protocol(header_timeout_s: float, on_slow: Callable[[str], None] | N
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._arm()
+            self._arm()  # a new connection owes its first request's headers
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE:  # the first bytes of the next request on a kept-alive
+                self._arm()  # connection (an idle one is uvicorn's keep-alive timeout's business)
+            super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state is not h11.IDLE:  # a whole request line and headers arrived
                 self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()  # the next request's headers get the same time
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
