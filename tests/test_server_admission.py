@@ -45,7 +45,7 @@ def test_a_burst_into_free_slots_is_admitted_whole(url) -> None:
 
 
 def test_a_request_that_can_never_fit_is_a_400(url) -> None:
-    r = httpx.post(url + "/v1/completions", json={"prompt": ["x"] * (SLOTS + QUEUE + 193), "max_tokens": 1},
+    r = httpx.post(url + "/v1/completions", json={"prompt": ["x"] * 257, "max_tokens": 1},  # the 257
                    timeout=120)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

@@ -8,13 +8,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.jobs.store import JobStore
 from engine.server.limits import ServerLimits, limited_protocol
 from engine.server.metrics import ServerMetrics
-from tests.helpers_server import FakeEngine, FakeTokenizer, ThreadServer, fake_app, metric_value
+from tests.helpers_server import FakeEngine, FakeTokenizer, ThreadServer, fake_stats, metric_value
 
 LIMITS = ServerLimits(max_body_bytes=8 * 2**20, max_upload_bytes=12 * 2**20, header_timeout_s=0.6,
                       body_timeout_s=1.2)
@@ -30,16 +32,25 @@ class SlowTokenizer(FakeTokenizer):
         return super().encode(text, add_special_tokens)
 
 
-def _server(api_key: str | None = None) -> ThreadServer:
-    app, ae = fake_app(FakeEngine(max_num_seqs=4, max_model_len=64), api_key=api_key, limits=LIMITS)
-    app.state.serving.tokenizer = SlowTokenizer()
+def _server(data_dir: Path, api_key: str | None = None) -> ThreadServer:
+    from engine.server.app import build_app
+    from engine.server.async_engine import AsyncEngine
+    from engine.server.batches import batch_router
+    from engine.server.serving import ServerConfig
+
+    ae = AsyncEngine(FakeEngine(max_num_seqs=4, max_model_len=64), metrics=ServerMetrics("fake"),
+                     stats_reader=fake_stats)
+    store = JobStore(data_dir)
+    app = build_app(ae, ServerConfig("fake"), SlowTokenizer(), api_key=api_key, limits=LIMITS,
+                    extra_routers=[batch_router(store, poll_s=0.05)])
+    metrics: ServerMetrics = ae.metrics
     metrics: ServerMetrics = ae.metrics
     return ThreadServer(app, http=limited_protocol(LIMITS.header_timeout_s, metrics.count_slow_client))
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = _server()
+def srv(tmp_path_factory: pytest.TempPathFactory):
+    s = _server(tmp_path_factory.mktemp("front-door"))
     yield s
     s.stop()
 
@@ -105,9 +116,13 @@ def test_a_chunked_body_is_counted_as_it_arrives(srv) -> None:
 
 
 def test_uploads_have_their_own_limit(srv) -> None:
-    ten_mb = b"x" * (10 * 10**6)  # past --max-body-bytes, within --max-upload-bytes
-    assert httpx.post(srv.url + "/v1/files", content=ten_mb, timeout=30).status_code == 404  # no batch router here
-    r = httpx.post(srv.url + "/v1/files", content=ten_mb + ten_mb, timeout=30)
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+    ten_mb = line * (10 * 10**6 // len(line))  # past --max-body-bytes, within --max-upload-bytes
+    r = httpx.post(srv.url + "/v1/files", files={"file": ("in.jsonl", ten_mb)}, data={"purpose": "batch"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["bytes"] == len(ten_mb), r.text[:300]
+    r = httpx.post(srv.url + "/v1/files", files={"file": ("in.jsonl", ten_mb + ten_mb)}, data={"purpose": "batch"},
+                   timeout=60)
     assert r.status_code == 413 and "--max-upload-bytes" in r.json()["error"]["message"]
 
 
@@ -168,9 +183,9 @@ def test_the_next_request_on_a_kept_alive_connection_has_the_same_deadline(srv) 
     assert got.startswith(b"HTTP/1.1 408") and LIMITS.header_timeout_s * 0.8 < took < LIMITS.header_timeout_s + 1.5
 
 
-def test_an_unauthenticated_trickle_is_closed_at_once() -> None:
+def test_an_unauthenticated_trickle_is_closed_at_once(tmp_path: Path) -> None:
     """The key is checked on the headers: a 401 goes out and the connection closes, whatever the body does."""
-    s = _server(api_key=KEY)
+    s = _server(tmp_path, api_key=KEY)
     try:
         took, got = _dropped_after(s.url, SLOW["chunked"])
         assert got.startswith(b"HTTP/1.1 401") and took < LIMITS.body_timeout_s, (took, got[:200])
