@@ -100,6 +100,17 @@ def test_a_declared_body_past_the_limit_is_refused_unread(srv) -> None:
     assert metric_value(_metrics(srv.url), "specserve:request_errors_total", {"error": "too_large"}) >= 1
 
 
+def test_a_body_just_under_the_limit_is_parsed_without_stalling_others(srv) -> None:
+    """JSON parsing and validation stay on the event loop, bounded by the limit: /health still answers."""
+    watch = HealthWatch(srv.url)
+    pad = LIMITS.max_body_bytes - 200
+    r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                   json={"prompt": "hi", "max_tokens": 2, "user": "u" * pad})
+    worst = watch.stop()
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ab", r.text[:300]
+    assert worst < HEALTH_WITHIN_S, worst
+
+
 def test_a_chunked_body_is_counted_as_it_arrives(srv) -> None:
     sent = 0
 
