@@ -4,14 +4,14 @@ Ray's GCS, raylet, agents or worker gRPC ports, not the torch.distributed store,
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import psutil
 import pytest
 
-from engine.execution.loopback import is_loopback
+from engine.execution.loopback import is_loopback, ray_on_loopback
 from tests.helpers_server import SubprocessServer
-
-pytestmark = pytest.mark.slow  # a server with a Ray cluster and three worker processes
 
 
 def _listeners(root: int) -> list[tuple[str, int, str]]:
@@ -29,6 +29,22 @@ def _listeners(root: int) -> list[tuple[str, int, str]]:
     return out
 
 
+def test_the_loopback_choice_lasts_only_for_the_local_clusters_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside: Ray takes this node to be 127.0.0.1. After: as before, so a later engine in the same process can
+    still join a real cluster at the machine's address."""
+    import ray
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    if ray.is_initialized():
+        pytest.skip("a Ray driver is already running in this process")
+    before = ray.util.get_node_ip_address()
+    with ray_on_loopback():
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+    assert ray.util.get_node_ip_address() == before
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+
+
+@pytest.mark.slow  # a server with a Ray cluster and three worker processes
 def test_a_tp2_server_listens_on_loopback_only() -> None:
     srv = SubprocessServer("--tensor-parallel-size", "2", env={"OMP_NUM_THREADS": "1"})
     try:

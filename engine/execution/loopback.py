@@ -16,6 +16,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -29,15 +31,29 @@ def is_loopback(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def ray_on_loopback() -> None:
-    """Before ``ray.init`` of a local cluster: its node IP (and so every Ray listener) is 127.0.0.1."""
+@contextmanager
+def ray_on_loopback() -> Iterator[None]:
+    """Around ``ray.init`` of a local cluster: its node IP (and so every Ray listener) is 127.0.0.1. Restored
+    afterwards, so a later engine in this process can still join a real cluster (the processes Ray started
+    keep the setting: they inherited it)."""
+    before_env = os.environ.get(_RAY_SINGLE_MACHINE_ENV)
     os.environ[_RAY_SINGLE_MACHINE_ENV] = "0"  # the processes Ray starts read it at import
     try:  # this process may have imported Ray already: the flag was read then
         import ray._private.ray_constants as ray_constants
-
+    except ImportError:
+        ray_constants = None
+    before_flag = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    if ray_constants is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False
-    except (ImportError, AttributeError):
-        pass
+    try:
+        yield
+    finally:
+        if before_env is None:
+            os.environ.pop(_RAY_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[_RAY_SINGLE_MACHINE_ENV] = before_env
+        if ray_constants is not None and before_flag is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = before_flag
 
 
 def loopback_interface() -> str | None:
