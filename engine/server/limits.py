@@ -35,8 +35,8 @@ UPLOAD_PATHS = frozenset({"/v1/files"})  # multipart uploads: their own, larger 
 class ServerLimits:
     max_body_bytes: int = 8 * MiB  # an API body (JSON); larger bodies cost parse time and memory on the event loop
     max_upload_bytes: int = 512 * MiB  # a /v1/files upload (spooled to disk); bigger batch files need several
-    header_timeout_s: float = 10.0  # from connection (or the previous response) to complete headers; slow links
-    # need more, a lower value frees connections held by stalled clients sooner
+    header_timeout_s: float = 10.0  # from a connection's start (or a kept-alive one's next first byte) to complete
+    # headers; slow links need more, a lower value frees connections held by stalled clients sooner
     body_timeout_s: float = 60.0  # from complete headers to the whole body; a large upload over a slow link
     # needs more, a lower value drops trickling clients sooner
 
