@@ -8,8 +8,9 @@ fail a whole step, and with it every request in flight.
 Ranges:
 - max_tokens: integer, 1 <= max_tokens <= MAX_TOKENS_LIMIT (the KV pool bounds it further at admission)
 - temperature: finite, 0 <= T <= MAX_TEMPERATURE; 0 (and anything below 1e-5) is greedy
-- top_p in (0, 1]; min_p in [0, 1]; top_k = -1 (off) or 1 <= top_k <= the model's vocabulary (checked by the
-  engine, which knows the vocabulary; here only <= TOP_K_LIMIT)
+- top_p in (0, 1]; min_p in [0, 1]; top_k = -1 or 0 (off; 0 is read as -1, as in Hugging Face generation
+  configs and vLLM) or 1 <= top_k <= the model's vocabulary (checked with ``validate(vocab_size)`` by the engine
+  and the server, which know the vocabulary; without it only <= TOP_K_LIMIT)
 - seed: None or a 64-bit integer: -2**63 <= seed <= 2**63 - 1 (an int64 on every path, msgpack included)
 - stop_token_ids: integers in [0, 2**63)
 """
@@ -41,7 +42,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0  # (0, 1]; 1 = off
-    top_k: int = -1  # -1 = off, else >= 1
+    top_k: int = -1  # -1 (or 0, stored as -1) = off, else >= 1
     min_p: float = 0.0  # [0, 1]; 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -51,6 +52,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.top_k == 0 and not isinstance(self.top_k, bool):
+            self.top_k = -1  # one spelling of "off" past this point
         self.validate()
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -69,13 +72,11 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {_short(self.top_k)}")
         # top_k and seed reach int64 tensors and msgpack frames: a larger int would fail a whole step.
         top_k_max = TOP_K_LIMIT if vocab_size is None else vocab_size
-        if self.top_k > top_k_max:
-            what = "the vocabulary size" if vocab_size is not None else "the limit"
-            raise ValueError(f"top_k must be <= {top_k_max} ({what}), got {_short(self.top_k)}")
+        if self.top_k < -1 or self.top_k > top_k_max:
+            upper = f"the vocabulary size, {vocab_size}" if vocab_size is not None else top_k_max
+            raise ValueError(f"top_k must be -1 or 0 (off) or between 1 and {upper}, got {_short(self.top_k)}")
         _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

@@ -68,12 +68,12 @@ class SubprocessServer:
 class ThreadServer:
     """An ASGI app served by uvicorn on an ephemeral loopback port, in a thread with its own event loop."""
 
-    def __init__(self, app, start_timeout_s: float = 30.0) -> None:
+    def __init__(self, app, start_timeout_s: float = 30.0, http: type | str = "auto") -> None:
         import uvicorn
 
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
         self.thread.start()
@@ -135,6 +135,8 @@ class FakeEngine:
     step, as a dying worker would.
     """
 
+    vocab_size = 128  # the ids FakeTokenizer makes
+
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_s: float = 0.0,
                  fail_at_step: int | None = None, text: bool = True) -> None:
         self.max_num_seqs = max_num_seqs
@@ -149,7 +151,7 @@ class FakeEngine:
         self.shut_down = False
         self.thread_ids: set[int] = set()  # threads that called into the engine (must be exactly one)
 
-    def add_request(self, request_id: str, prompt, params) -> None:
+    def add_request(self, request_id: str, prompt, params, priority: int = 0) -> None:
         self.thread_ids.add(threading.get_ident())
         ids = FakeTokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) >= self.max_model_len:
@@ -209,14 +211,15 @@ def fake_stats(engine: FakeEngine):
 
 
 def fake_app(engine: FakeEngine, *, max_queue: int = 16, api_key: str | None = None, name: str = "fake",
-             tokenizer: bool = True):
+             tokenizer: bool = True, limits=None):
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
 
     ae = AsyncEngine(engine, max_queue=max_queue, metrics=ServerMetrics(name), stats_reader=fake_stats)
-    return build_app(ae, ServerConfig(name), FakeTokenizer() if tokenizer else None, api_key=api_key), ae
+    return build_app(ae, ServerConfig(name), FakeTokenizer() if tokenizer else None, api_key=api_key,
+                     limits=limits), ae
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:

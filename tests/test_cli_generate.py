@@ -28,7 +28,7 @@ def test_generate_on_the_builtin_pair_with_bad_lines(tmp_path: Path, capsys: pyt
     src.write_text("\n".join(lines) + "\n")
     assert main(["generate", "--input", str(src), "--output", str(dst), "--no-progress"]) == 1  # error lines
     out = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert [o["id"] for o in out] == [shipped[0]["id"], "1", "unknown", shipped[1]["id"], "top_p", "vocab",
+    assert [o["id"] for o in out] == [shipped[0]["id"], "2", "unknown", shipped[1]["id"], "top_p", "vocab",
                                      shipped[2]["id"]]  # input order; the blank line is skipped
     assert "malformed JSON" in out[1]["error"]
     assert "temprature" in out[2]["error"]
@@ -80,7 +80,7 @@ def test_a_failing_worker_keeps_finished_results_and_stops_the_engine(
                               json.dumps({"id": "long", "prompt": "def g():", "max_tokens": 64})]) + "\n")
     assert main(["generate", "--input", str(src), "--output", str(dst), "--no-progress"]) == 1
     out = [json.loads(line) for line in dst.read_text().splitlines()]
-    assert [o["id"] for o in out] == ["short", "1", "long"]
+    assert [o["id"] for o in out] == ["short", "2", "long"]
     assert len(out[0]["token_ids"]) == 1 and "error" not in out[0]  # finished before the failure: kept
     assert "malformed JSON" in out[1]["error"]
     assert "not finished" in out[2]["error"] and "boom" in out[2]["error"]

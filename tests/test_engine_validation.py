@@ -31,8 +31,7 @@ def llm(llama) -> LLM:
     ({"temperature": float("nan")}, r"temperature must be a finite number"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-    ({"top_k": 0}, r"top_k must be -1 \(off\) or >= 1, got 0"),
-    ({"top_k": -2}, r"top_k must be -1 \(off\) or >= 1, got -2"),
+    ({"top_k": -2}, r"top_k must be -1 or 0 \(off\) or between 1 and 2147483647, got -2"),
     ({"min_p": -0.5}, r"min_p must be in \[0, 1\], got -0.5"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
     ({"stop": [""]}, r"stop must be a string or a list of non-empty strings"),
@@ -48,6 +47,7 @@ def test_sampling_params_accept_the_edges() -> None:
     p = SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=-1, min_p=1.0, stop="x")
     assert p.greedy and p.stop == ["x"]
     assert SamplingParams(top_k=1, min_p=0.0, top_p=1e-6).top_k == 1
+    assert SamplingParams(top_k=0).top_k == -1  # 0 is "off", as in Hugging Face generation configs
 
 
 # -------------------------------------------------------------------------------------------------------- prompts

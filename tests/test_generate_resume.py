@@ -26,7 +26,7 @@ def _job(tmp_path: Path) -> Path:
     # Short prompts (the shipped ones' first 40 characters): prefill is most of the CPU time.
     lines = [json.dumps({"id": f"r{i:02d}", "prompt": shipped[i % len(shipped)]["prompt"][:40], "temperature": 0,
                          "max_tokens": 8 + i % 5, "ignore_eos": True}) for i in range(N_LINES)]
-    lines[5] = '{"id": "bad", "prompt": "x", "top_k": 0}'  # an error line is part of the output like any other
+    lines[5] = '{"id": "bad", "prompt": "x", "top_k": -2}'  # an error line is part of the output like any other
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n")
     return src
@@ -115,7 +115,7 @@ def test_lines_are_split_on_newline_only_and_decoded_one_by_one(tmp_path: Path) 
     ]) + b"\r\n")
     assert main(["generate", "--input", str(src), "--output", str(out), "--no-progress"]) == 1
     rows = [json.loads(ln) for ln in out.read_text().splitlines()]
-    assert [r["id"] for r in rows] == ["sep", "1", "2", "surrogate", "ok"]
+    assert [r["id"] for r in rows] == ["sep", "2", "3", "surrogate", "ok"]  # unreadable lines: their line number
     assert len(rows[0]["token_ids"]) == 2 and "error" not in rows[0]
     assert "line 2: not valid UTF-8" in rows[1]["error"]
     assert "nested too deeply" in rows[2]["error"]

@@ -23,7 +23,7 @@ def llm(llama) -> LLM:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"top_k": 1 << 63}, r"top_k must be <= 2147483647"),
+    ({"top_k": 1 << 63}, r"top_k must be -1 or 0 \(off\) or between 1 and 2147483647"),
     ({"seed": 1 << 63}, r"seed must be a 64-bit integer"),
     ({"seed": -(1 << 63) - 1}, r"seed must be a 64-bit integer"),
     ({"temperature": 1e9}, r"temperature must be <= 100"),
@@ -45,8 +45,8 @@ def test_the_edges_of_the_ranges_are_accepted_and_cross_the_msgpack_wire() -> No
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("top_k", VOCAB + 1, rf"top_k must be <= {VOCAB} \(the vocabulary size\)"),
-    ("top_k", 1 << 63, r"top_k must be <= 128"),
+    ("top_k", VOCAB + 1, rf"top_k must be -1 or 0 \(off\) or between 1 and the vocabulary size, {VOCAB}, got"),
+    ("top_k", 1 << 63, r"between 1 and the vocabulary size, 128, got"),
     ("seed", 1 << 64, r"seed must be a 64-bit integer"),
     ("temperature", float("nan"), r"temperature must be a finite number"),
     ("max_tokens", 0, r"max_tokens must be >= 1"),

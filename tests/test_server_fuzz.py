@@ -2,12 +2,17 @@
 
 Whatever arrives, the answer is never a 5xx, the engine stays alive, and the server still serves a normal
 request afterwards. Generation stays short: every body the strategies can make valid asks for <= 8 tokens.
+The front door's limits run small here (a 64 KiB body, 1 s for headers, 2 s for a body) so bodies around the
+limit and requests cut off anywhere are cheap to try: 413 exactly past the limit, a cut-off request dropped in
+time.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import string
+import time
 from collections import Counter
 
 import httpx
@@ -100,9 +105,13 @@ headers = st.dictionaries(st.sampled_from(["authorization", "content-type", "acc
                                            "content-encoding", "transfer-encoding-x"]), header_text, max_size=3)
 
 
+MAX_BODY, HEADER_TIMEOUT, BODY_TIMEOUT = 65536, 1.0, 2.0
+
+
 @pytest.fixture(scope="module")
 def server():
-    srv = SubprocessServer(env={"OMP_NUM_THREADS": "1"})
+    srv = SubprocessServer("--max-body-bytes", str(MAX_BODY), "--header-timeout", str(HEADER_TIMEOUT),
+                           "--body-timeout", str(BODY_TIMEOUT), env={"OMP_NUM_THREADS": "1"})
     yield srv
     assert srv.stop() in (0, -15), srv.stderr[-3000:]
 
@@ -168,6 +177,49 @@ def test_fuzz_edges(server, edge, chat, stream, temperature) -> None:
 def test_fuzz_raw_requests(server, path, method, raw, hdrs) -> None:
     with httpx.Client(base_url=server.url, timeout=120) as http:
         _send(http, method, path, hdrs, content=raw)
+
+
+@settings(max_examples=30, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 3 * MAX_BODY) | st.sampled_from([MAX_BODY - 1, MAX_BODY, MAX_BODY + 1]),
+       chunked=st.booleans(), chunk=st.integers(1, 50000), path=st.sampled_from(["/v1/completions", "/health"]))
+def test_fuzz_body_sizes(server, size, chunked, chunk, path) -> None:
+    """A JSON body of any size, declared or streamed in chunks: 413 exactly when it passes the limit (an
+    endpoint that never reads its body may answer before it is counted, and then closes the connection)."""
+    prefix, suffix = b'{"model": "' + MODEL.encode() + b'", "max_tokens": 1, "prompt": "', b'"}'
+    body = prefix + b"x" * max(0, size - len(prefix) - len(suffix)) + suffix
+    content = (body[i:i + chunk] for i in range(0, len(body), chunk)) if chunked else body
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = _send(http, "POST", path, {"content-type": "application/json"}, content=content)
+    if path == "/v1/completions":
+        assert (r.status_code == 413) == (len(body) > MAX_BODY), (len(body), r.status_code, r.text[:200])
+    if r.status_code == 413:
+        assert f"--max-body-bytes={MAX_BODY}" in r.json()["error"]["message"]
+
+
+def _valid_request() -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": "def f():", "max_tokens": 1}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+@settings(max_examples=8, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(1, len(_valid_request()) - 1))
+def test_fuzz_cut_off_requests_are_dropped_in_time(server, cut) -> None:
+    """A valid request cut off anywhere (in the request line, the headers or the body): the server closes the
+    connection within the header or body timeout, answering 408 or nothing, never holding it."""
+    raw = _valid_request()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(raw[:cut])
+        t0 = time.monotonic()
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+        took = time.monotonic() - t0
+    assert took < HEADER_TIMEOUT + BODY_TIMEOUT + 2, (cut, took)
+    assert got == b"" or got.startswith(b"HTTP/1.1 408"), (cut, got[:200])
 
 
 def test_server_still_answers_after_the_fuzz(server) -> None:

@@ -71,3 +71,51 @@ def test_non_loopback_bind_needs_a_key(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2  # refused before any model is loaded
     out = capsys.readouterr()
     assert out.out == "" and "--api-key" in out.err and "0.0.0.0" in out.err
+
+
+@pytest.mark.slow
+def test_large_bodies_get_413_and_leave_no_memory_behind(server) -> None:
+    """A 10 MB body (declared) and a 200 MB one (chunked, in the ``user`` field): 413 without reading them whole,
+    ``/health`` answering within 0.5 s meanwhile, and the server's RSS back within 50 MB."""
+    import threading
+    import time
+
+    import psutil
+
+    proc = psutil.Process(server.proc.pid)
+    auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    url = server.url + "/v1/completions"
+    rss_before = proc.memory_info().rss
+    worst, stop = [0.0], threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get(server.url + "/health").status_code == 200
+                worst[0] = max(worst[0], time.monotonic() - t0)
+                stop.wait(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        ten = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "user": "' + b"u" * 10**7 + b'"}'
+        r = httpx.post(url, content=ten, headers=auth, timeout=60)
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text[:300]
+
+        def two_hundred():
+            yield b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "user": "'
+            for _ in range(200):
+                yield b"u" * 10**6
+            yield b'"}'
+
+        r = httpx.post(url, content=two_hundred(), headers=auth, timeout=60)
+        assert r.status_code == 413, r.text[:300]
+    finally:
+        stop.set()
+        watcher.join(30)
+    growth = proc.memory_info().rss - rss_before
+    print(f"slowest /health {worst[0]:.3f} s; server RSS {rss_before / 2**20:.0f} MiB before, "
+          f"{growth / 2**20:+.1f} MiB after")
+    assert worst[0] < 0.5, worst
+    assert growth < 50 * 2**20, growth / 2**20

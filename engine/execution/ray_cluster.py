@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from engine.core.config import ParallelConfig
+from engine.execution.loopback import ray_on_loopback
 from engine.execution.placement import PlacementPlan, missing_resources
 from engine.execution.role import Role
 
@@ -25,8 +26,9 @@ def init_ray(parallel: ParallelConfig, has_draft: bool) -> None:
         # reservations, and these workers mostly wait on each other. address="local": without it,
         # ray.init joins any cluster `ray start` left on this machine (and refuses num_cpus there).
         bundles = parallel.tensor_parallel_size + (parallel.draft_tensor_parallel_size if has_draft else 0)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)
+        with ray_on_loopback():  # nothing of this cluster listens beyond this machine (no dashboard either)
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
 
 
 class PlacementGroups:

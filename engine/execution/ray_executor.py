@@ -113,7 +113,10 @@ class RayExecutor:
     def _begin_setup(self, role: Role, plan: PlacementPlan) -> list[Any]:
         import ray
 
-        addr, port = ray.get(self._actors[role][0].address.remote())
+        # Ranks on one machine meet on loopback: a local cluster is one machine, and the target's STRICT_PACK
+        # group is always on one node (the draft's PACK group may span nodes).
+        one_node = not self.parallel.address or role == Role.TARGET
+        addr, port = ray.get(self._actors[role][0].address.remote(one_node))
         return [a.setup.remote(addr, port, plan.use_gpu) for a in self._actors[role]]
 
     def _finish_setup(self, role: Role, refs: list[Any]) -> None:

@@ -23,6 +23,7 @@ import torch
 from engine.execution import codec
 from engine.execution.faults import injected_fault
 from engine.execution.frames import FrameAuth
+from engine.execution.loopback import collectives_on_loopback, is_loopback
 from engine.execution.role import Role
 from workers.law_channel import pack_laws
 from workers.messages import TargetStep, TargetStepOutput, VerifyResult, WorkerReply
@@ -31,12 +32,6 @@ from workers.worker_config import WorkerConfig
 OP_STEP = b"step"
 OP_ECHO = b"echo"  # decode and answer without running the model: measures the transport alone
 OP_STOP = b"stop"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def node_ip() -> str:
@@ -58,10 +53,15 @@ class WorkerProcess:
         self.worker: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._store_sock: socket.socket | None = None  # rank 0: where the group's store listens
 
-    def address(self) -> tuple[str, int]:
-        """(ip, free port): rank 0's is the torch.distributed rendezvous for its group, chosen per engine."""
-        return node_ip(), free_port()
+    def address(self, loopback: bool = False) -> tuple[str, int]:
+        """(host, port) of rank 0's torch.distributed store for its group, chosen per engine and listening from
+        now on (``setup`` serves the store on it): 127.0.0.1 when every rank shares this machine."""
+        if self._store_sock is not None:
+            self._store_sock.close()
+        self._store_sock = socket.create_server(("127.0.0.1" if loopback else node_ip(), 0))
+        return self._store_sock.getsockname()[:2]
 
     def setup(self, master_addr: str, master_port: int, use_gpu: bool) -> str:
         """Join the role's process group and load this rank's shard; returns the device used."""
@@ -78,8 +78,14 @@ class WorkerProcess:
         torch.set_num_threads(self.config.num_threads)
         tp = TPGroup.single()
         if self.world_size > 1:
-            dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
+            if is_loopback(master_addr):
+                collectives_on_loopback()
+            timeout = timedelta(minutes=10)
+            master = self.rank == 0
+            store = dist.TCPStore(master_addr, master_port, self.world_size, master, timeout,
+                                  master_listen_fd=self._store_sock.fileno() if master else None)
+            dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
             tp = TPGroup.from_process_group()
         cfg = dataclasses.replace(self.config, device=device)
         if self.role == Role.TARGET:

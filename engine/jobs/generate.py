@@ -42,42 +42,50 @@ class ParsedLine:
     prompt: str | list[int] | None = None
     params: SamplingParams | None = None
     error: str | None = None
+    line: int = 0  # 1-based line number in the input file
 
 
 def parse_line(index: int, line: str | JsonlLine, defaults: dict[str, Any]) -> ParsedLine:
-    fallback_id = str(index)
+    """One input line; a line without an id (or whose id cannot be read) is known by its 1-based line number,
+    and every error names that line."""
+    number = line.number if isinstance(line, JsonlLine) else index + 1
+    fallback_id = str(number)
+
+    def failed(rid: str, message: str) -> ParsedLine:
+        return ParsedLine(index, rid, error=message if message.startswith(f"line {number}:")
+                          else f"line {number}: {message}", line=number)
+
     if isinstance(line, JsonlLine):
         if line.text is None:
-            return ParsedLine(index, fallback_id, error=line.error)
+            return failed(fallback_id, line.error or "not valid UTF-8")
         line = line.text
     try:
         obj = loads(line)
     except ValueError as e:
-        return ParsedLine(index, fallback_id, error=f"line {index + 1}: malformed JSON: {e}")
+        return failed(fallback_id, f"malformed JSON: {e}")
     if not isinstance(obj, dict):
-        return ParsedLine(index, fallback_id, error=f"line {index + 1}: expected a JSON object")
+        return failed(fallback_id, "expected a JSON object")
     rid = obj.get("id", fallback_id)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        return ParsedLine(index, fallback_id, error="id must be a string or an integer")
+        return failed(fallback_id, "id must be a string or an integer")
     rid = str(rid)
     unknown = sorted(set(obj) - set(REQUEST_FIELDS) - set(SAMPLING_FIELDS))
     if unknown:
-        return ParsedLine(index, rid, error=f"unknown field(s) {unknown}; allowed: "
-                                            f"{sorted(REQUEST_FIELDS + SAMPLING_FIELDS)}")
+        return failed(rid, f"unknown field(s) {unknown}; allowed: {sorted(REQUEST_FIELDS + SAMPLING_FIELDS)}")
     has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
     if has_text == has_ids:
-        return ParsedLine(index, rid, error="exactly one of 'prompt' or 'prompt_token_ids' is required")
+        return failed(rid, "exactly one of 'prompt' or 'prompt_token_ids' is required")
     prompt = obj["prompt"] if has_text else obj["prompt_token_ids"]
     if has_text and not isinstance(prompt, str):
-        return ParsedLine(index, rid, error="prompt must be a string")
+        return failed(rid, "prompt must be a string")
     if has_ids and not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt)):
-        return ParsedLine(index, rid, error="prompt_token_ids must be a list of integers")
+        return failed(rid, "prompt_token_ids must be a list of integers")
     try:
         params = SamplingParams(**{**defaults, **{k: obj[k] for k in SAMPLING_FIELDS if k in obj}})
     except (TypeError, ValueError) as e:
-        return ParsedLine(index, rid, error=str(e))
-    return ParsedLine(index, rid, prompt, params)
+        return failed(rid, str(e))
+    return ParsedLine(index, rid, prompt, params, line=number)
 
 
 def output_line(out: RequestOutput) -> dict[str, Any]:
@@ -159,7 +167,7 @@ def run_batch(engine: LLMEngine, lines: Iterable[str | JsonlLine], out: IO[str],
                     except EngineDeadError:
                         raise
                     except Exception as e:  # noqa: BLE001 - refused for this line only (ValueError, tokenizer)
-                        p.error = str(e)
+                        p.error = f"line {p.line}: {e}"
                 if p.error is not None:
                     writer.put(p.index, {"id": p.request_id, "error": p.error})
                     if bar is not None:

@@ -39,6 +39,14 @@ def response_row(custom_id: str, status_code: int, body: dict[str, Any]) -> dict
             "response": {"status_code": status_code, "request_id": new_id("req_"), "body": body}, "error": None}
 
 
+def at_line(body: dict[str, Any], line: int) -> dict[str, Any]:
+    """An error response body whose message starts with the input line it came from (``line 12: ...``)."""
+    err = body.get("error")
+    if not line or not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return body
+    return {**body, "error": {**err, "message": f"line {line}: {err['message']}"}}
+
+
 def expired_row(custom_id: str | None) -> dict[str, Any]:
     return error_row(custom_id, "batch_expired", "This request could not be executed before the completion window "
                                                  "expired.")

@@ -23,7 +23,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.jobs.lines import error_row, response_row
+from engine.jobs.lines import at_line, error_row, response_row
 from engine.jobs.store import JobStore, PendingRequest
 
 logger = logging.getLogger("specserve.batch")
@@ -147,7 +147,7 @@ class BatchRunner:
         try:
             batch = self.store.get_batch(r.batch_id)
             status, body = await self.executor.execute(batch["endpoint"], r.body, f"{r.batch_id}-{r.idx}")
-            row = response_row(r.custom_id, status, body)
+            row = response_row(r.custom_id, status, body if status == 200 else at_line(body, r.line))
             await self._results.put((r.batch_id, r.idx, status == 200, row))
         except RetryLater:
             # Left pending: read again from the start of the batch after a pause.

@@ -47,6 +47,7 @@ class PendingRequest:
     idx: int
     custom_id: str
     body: dict[str, Any]
+    line: int = 0  # 1-based line number in the input file (named in the request's error)
 
 
 def default_data_dir() -> str:
@@ -278,7 +279,7 @@ class JobStore:
     def pending(self, batch_id: str, after_idx: int, limit: int) -> list[PendingRequest]:
         """The next pending requests (body read back from the input file) after index ``after_idx``."""
         b = self._batch_row(batch_id)
-        rows = self._db().execute("SELECT idx, custom_id, offset, length FROM requests WHERE batch_id = ? AND "
+        rows = self._db().execute("SELECT idx, line, custom_id, offset, length FROM requests WHERE batch_id = ? AND "
                                   "state = 'pending' AND idx > ? ORDER BY idx LIMIT ?",
                                   (batch_id, after_idx, limit)).fetchall()
         out = []
@@ -286,7 +287,7 @@ class JobStore:
             for r in rows:
                 f.seek(r["offset"])
                 obj = loads(f.read(r["length"]).decode("utf-8"))
-                out.append(PendingRequest(batch_id, r["idx"], r["custom_id"], obj["body"]))
+                out.append(PendingRequest(batch_id, r["idx"], r["custom_id"], obj["body"], r["line"]))
         return out
 
     def record(self, batch_id: str, results: list[tuple[int, bool, dict[str, Any]]]) -> int:

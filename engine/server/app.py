@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 
 from engine.server.async_engine import AsyncEngine
 from engine.server.auth import BearerAuthMiddleware
+from engine.server.limits import BodyLimitMiddleware, ServerLimits
 from engine.server.routes import router
 from engine.server.serving import APIError, ServerConfig, Serving
 
@@ -50,7 +51,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
 
 def build_app(async_engine: AsyncEngine, config: ServerConfig, tokenizer: Any, *, api_key: str | None = None,
-              extra_routers: Iterable[APIRouter] = ()) -> FastAPI:
+              extra_routers: Iterable[APIRouter] = (), limits: ServerLimits | None = None) -> FastAPI:
     metrics = async_engine.metrics
 
     def count(status: int) -> None:
@@ -97,4 +98,8 @@ def build_app(async_engine: AsyncEngine, config: ServerConfig, tokenizer: Any, *
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key,
                            on_reject=(lambda: metrics.count_error("unauthorized")) if metrics is not None else None)
+    # Added last, so outermost: a body too big or too slow is refused before the key is looked at.
+    app.add_middleware(BodyLimitMiddleware, limits=limits or ServerLimits(),
+                       on_too_large=(lambda: metrics.count_error("too_large")) if metrics is not None else None,
+                       on_slow=metrics.count_slow_client if metrics is not None else None)
     return app

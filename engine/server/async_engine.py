@@ -28,7 +28,9 @@ Faults, in the order the server meets them:
   ``EngineUnavailableError`` and the engine stays down (503, with the reason); the server itself stays up.
 
 The waiting queue is bounded: ``max_queue`` requests may wait for a running slot; beyond that ``add_request``
-raises ``QueueFullError`` (HTTP 429 with Retry-After) instead of letting memory climb.
+raises ``QueueFullError`` (HTTP 429 with Retry-After) instead of letting memory climb. A request waits only
+while no running slot is free: one on its way to an engine with free slots (``max_num_seqs`` minus those
+running) is not counted against the queue, so a burst into an idle server is admitted whole.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ from engine.server.streams import (
 logger = logging.getLogger("specserve.server")
 
 
+def read_max_num_seqs(engine: Any) -> int:
+    """The engine's running slots (``--max-num-seqs``)."""
+    n = getattr(engine, "max_num_seqs", None)
+    return int(n) if n is not None else int(engine.config.scheduler.max_num_seqs)
+
+
 class AsyncEngine:
     def __init__(self, engine: Any, *, max_queue: int = 256, retry_after_s: float = 1.0,
                  metrics: ServerMetrics | None = None,
@@ -76,6 +84,8 @@ class AsyncEngine:
         self._restarting: str | None = None  # why the engine is being rebuilt now (None: it is not)
         self._engine_down = False  # the current engine has been shut down
         self.max_model_len: int = engine.max_model_len  # fixed at construction: safe to read from any thread
+        self.max_num_seqs: int = read_max_num_seqs(engine)
+        self.vocab_size: int | None = getattr(engine, "vocab_size", None)  # bounds top_k in the front end's 400s
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self.metrics = metrics
@@ -152,8 +162,17 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Accepted, not finished and not in the running batch (queued in the engine or on the way there)."""
-        return max(0, len(self._streams) - self._stats.num_running)
+        """Accepted requests that wait for a running slot: queued in the engine, plus those on their way to it
+        beyond the slots still free (none are free while the engine has a queue of its own)."""
+        s = self._stats
+        in_transit = max(0, len(self._streams) - s.num_running - s.num_waiting)
+        free = max(0, self.max_num_seqs - s.num_running) if s.num_waiting == 0 else 0
+        return s.num_waiting + max(0, in_transit - free)
+
+    @property
+    def capacity(self) -> int:
+        """The most requests the server can ever hold at once: running slots plus the waiting queue."""
+        return self.max_num_seqs + self.max_queue
 
     @property
     def stats(self) -> EngineStats:

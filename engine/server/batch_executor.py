@@ -63,7 +63,7 @@ class ServingExecutor:
         s = self.serving
         _no_stream(req)
         s.check_model(req.model)
-        prompts = [s.encode(p) for p in req.prompts()]
+        prompts = await s.encode_all(req.prompts())
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = s.sampling_params(req, max_tokens)
         s.check_length(prompts, max_tokens, "prompt")
@@ -78,7 +78,7 @@ class ServingExecutor:
     async def _chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         s = self.serving
         _no_stream(req)
-        ids, params = s.prepare_chat(req)
+        ids, params = await s.off_loop(s.prepare_chat, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (r,) = await self._run(rid, [ids], params, "messages")
         return ChatCompletionResponse(

@@ -44,6 +44,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="times per 10 minutes the server rebuilds an engine that failed beyond recovery (worker "
                         "restarts exhausted, an unexpected error), re-admitting open requests; then /health "
                         "answers 503 with the reason (default: 3)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, metavar="N",
+                   help="largest request body (JSON) accepted; larger ones get 413 before they are read "
+                        "(default: 8 MiB)")
+    p.add_argument("--max-upload-bytes", type=int, default=512 * 2**20, metavar="N",
+                   help="largest /v1/files upload (default: 512 MiB)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a client must send its request headers within this; else it is dropped (default: 10)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a client must send its whole body within this after the headers; else it is dropped "
+                        "(default: 60; raise it for large uploads over slow links)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
     p.set_defaults(func=cmd_serve)
@@ -78,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
     from engine.server.auth import resolve_api_key
+    from engine.server.limits import ServerLimits, limited_protocol
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
     from workers.loader import load_tokenizer
@@ -86,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_engine_restarts < 0:
         raise ValueError(f"--max-engine-restarts must be >= 0, got {args.max_engine_restarts}")
+    limits = ServerLimits(args.max_body_bytes, args.max_upload_bytes, args.header_timeout, args.body_timeout)
     api_key = resolve_api_key(args.host, args.api_key)  # refuse an open bind before anything is loaded
     sock = _bind(args.host, args.port)
     from engine.jobs.store import JobStore, default_data_dir
@@ -116,12 +128,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # Twice the running set in flight by default: the engine stays full of batch work, its waiting queue short.
         batches = batch_router(job_store, max_in_flight=args.batch_max_in_flight or 2 * config.scheduler.max_num_seqs)
         app = build_app(async_engine, ServerConfig(name, os.path.abspath(config.target)), tokenizer,
-                        api_key=api_key, extra_routers=[batches])
+                        api_key=api_key, extra_routers=[batches], limits=limits)
     except BaseException:
         engine.shutdown()
         raise
     server = uvicorn.Server(uvicorn.Config(app, log_config=_log_config(args.log_level), log_level=args.log_level,
-                                           access_log=args.access_log, timeout_graceful_shutdown=5))
+                                           access_log=args.access_log, timeout_graceful_shutdown=5,
+                                           http=limited_protocol(limits.header_timeout_s, metrics.count_slow_client)))
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     try:

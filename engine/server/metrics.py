@@ -99,6 +99,9 @@ class ServerMetrics:
                               "overloaded, unauthorized, engine_dead, internal).", m + ["error"])
         self.engine_restarts = counter("engine_restarts", "Engines the server rebuilt after a step failed beyond "
                                        "the engine's own recovery (open requests re-admitted).")
+        self.slow_clients = counter("slow_clients_dropped", "Connections dropped because the client did not send its "
+                                    "request headers (--header-timeout) or body (--body-timeout) in time.",
+                                    m + ["phase"])
         self._last = EngineStats()
 
     def engine_replaced(self) -> None:
@@ -145,6 +148,10 @@ class ServerMetrics:
     # ---------------------------------------------------------------------------------------- from the routes
     def count_error(self, kind: str) -> None:
         self.errors.labels(self.model_name, kind).inc()
+
+    def count_slow_client(self, phase: str) -> None:
+        """A client dropped for being too slow: ``phase`` is "headers" or "body"."""
+        self.slow_clients.labels(self.model_name, phase).inc()
 
     def track_waiting(self, num_waiting: Callable[[], int]) -> None:
         """The waiting gauge is read at scrape time from the front end (it knows what is still in transit)."""

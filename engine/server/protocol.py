@@ -84,19 +84,22 @@ class _SamplingRequest(_Strict):
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises ValueError naming the field and its limit (SamplingParams is the one place ranges live)."""
+    def sampling_params(self, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field and its limit (SamplingParams is the one place ranges live);
+        ``vocab_size`` bounds top_k (the message then names the vocabulary, not the int32 limit)."""
         kw: dict[str, Any] = {"max_tokens": max_tokens}
         for name in ("temperature", "top_p", "min_p", "seed"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
-        if self.top_k is not None:
-            kw["top_k"] = -1 if self.top_k == 0 else self.top_k  # vLLM reads both 0 and -1 as "off"
         if self.stop is not None:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids is not None:
             kw["stop_token_ids"] = list(self.stop_token_ids)
-        return SamplingParams(**kw, ignore_eos=self.ignore_eos)
+        params = SamplingParams(**kw, ignore_eos=self.ignore_eos)
+        if self.top_k is not None:  # 0 and -1: off (read as -1, as vLLM and Hugging Face do)
+            params.top_k = -1 if self.top_k == 0 else self.top_k
+            params.validate(vocab_size)
+        return params
 
     @property
     def include_usage(self) -> bool:

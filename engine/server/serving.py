@@ -1,8 +1,10 @@
 """From an OpenAI request to engine requests and back: prompts and limits, responses and SSE chunks.
 
-Prompts are tokenized here, on the event loop, with the front end's own tokenizer (the same files and the same
-``encode`` call as the engine's), so the engine loop spends its time stepping and a prompt that cannot fit
-(prompt + max_tokens beyond the context) is refused with a 400 before it is queued.
+Prompts are tokenized here with the front end's own tokenizer (the same files and the same ``encode`` call as the
+engine's), so the engine loop spends its time stepping and a prompt that cannot fit (prompt + max_tokens beyond
+the context) is refused with a 400 before it is queued. Tokenizing runs on one thread of its own, off the event
+loop (a megabyte of text takes a second: ``/health`` and other requests must not wait for it), one text at a
+time as before (a fast tokenizer is not safe to call from two threads at once).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import asyncio
 import math
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +79,14 @@ class Serving:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenize")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizing thread (prompt rendering and encoding): the event loop stays free."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+    async def encode_all(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return await self.off_loop(lambda: [self.encode(p) for p in prompts])
 
     # ------------------------------------------------------------------------------------------- checks
     def check_model(self, model: str | None) -> None:
@@ -117,7 +128,7 @@ class Serving:
 
     def sampling_params(self, req: Any, max_tokens: int) -> Any:
         try:
-            return req.sampling_params(max_tokens)
+            return req.sampling_params(max_tokens, self.engine.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), set(type(req).model_fields))) from e
 
@@ -125,6 +136,11 @@ class Serving:
                      field: str, priority: int = 0) -> list[RequestStream]:
         """Queue every prompt at once (one engine iteration acknowledges them all); all or nothing.
         ``priority``: 0 online; batch jobs submit at 1 so online requests go first."""
+        ae = self.engine
+        if len(prompts) > ae.capacity:  # a 429 would send the client back forever: it can never fit
+            raise APIError(400, f"{field}: {len(prompts)} prompts in one request, more than this server can ever "
+                                f"hold at once (--max-num-seqs {ae.max_num_seqs} running + --max-queue "
+                                f"{ae.max_queue} waiting = {ae.capacity}); split the request", field)
         results = await asyncio.gather(*[self.engine.add_request(f"{base_id}-{i}", p, sp, priority=priority)
                                          for i, (p, sp) in enumerate(zip(prompts, params, strict=True))],
                                        return_exceptions=True)
@@ -147,7 +163,7 @@ class Serving:
     # ------------------------------------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        prompts = [self.encode(p) for p in req.prompts()]
+        prompts = await self.encode_all(req.prompts())
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         params = self.sampling_params(req, max_tokens)
         self.check_length(prompts, max_tokens, "prompt")
@@ -207,7 +223,7 @@ class Serving:
         return ids, params
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        ids, params = self.prepare_chat(req)
+        ids, params = await self.off_loop(self.prepare_chat, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self.submit(rid, [ids], [params], "messages")
         if req.stream:
