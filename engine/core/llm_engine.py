@@ -42,6 +42,13 @@ _MAX_AUTO_KV_TOKENS = 1 << 17
 _HELD_IDLE_S = 0.02  # a step with nothing to run (requests held for the draft) pauses this long
 
 
+def _namespace(config: EngineConfig, draft: bool) -> bytes:
+    """What a pool's cached blocks were computed by: its model, weights' format and dtype (block keys' prefix)."""
+    if draft:
+        return repr(("draft", config.speculative.model, config.speculative.quantization, config.dtype)).encode()
+    return repr(("target", config.target, config.quantization, config.dtype)).encode()
+
+
 class EngineDeadError(RuntimeError):
     """A step failed and could not be recovered (a worker raised or got stuck; workers died more often than
     max_worker_restarts allows; an in-process worker died): worker KV state and the controller's counters may
@@ -88,8 +95,13 @@ class LLMEngine:
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         policy = build_policy(spec, self.tree, self.max_model_len, self.draft_max_len) if spec is not None else None
-        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
-                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
+        # Prefix caching keeps K/V blocks; a DeepSeek-V4 model's compressed state (ring, accumulators, summaries)
+        # is per sequence, outside the blocks, so a V4 prefix is recomputed (docs/architecture.md).
+        caching = config.cache.enable_prefix_caching and "deepseek_v4" not in (
+            tcfg.model_type, dcfg.model_type if dcfg is not None else None)
+        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs, caching, _namespace(config, False)),
+                                   BlockManager(num_blocks, bs, caching, _namespace(config, True))
+                                   if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
                                    policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
                                    and not spec.pipeline)
