@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.block_manager import BlockManager
-from scheduler.prefix_cache import PrefixCacheStats, chain_hashes
+from scheduler.prefix_cache import HashFn, PrefixCacheStats, chain_hashes, hash_block
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_policy import SpecPolicy, branching_nodes
 
@@ -108,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefix_stats = PrefixCacheStats()
+        self.hash_fn: HashFn = hash_block  # what names a block (tests/test_prefix_engine.py poisons it)
         if draft_blocks is not None and draft_blocks.block_size != target_blocks.block_size:
             raise ValueError("the target and draft pools must share a block size (one block hash serves both)")
 
@@ -287,7 +288,8 @@ class Scheduler:
     # ---------------------------------------------------------------------------------------- prefix caching
     def _hashes(self, req: Request, num_blocks: int) -> list:
         if len(req.block_hashes) < num_blocks:
-            chain_hashes(req.all_token_ids, self.target_blocks.block_size, req.block_hashes, num_blocks)
+            chain_hashes(req.all_token_ids, self.target_blocks.block_size, req.block_hashes, num_blocks,
+                         hash_fn=self.hash_fn)
         return req.block_hashes[:num_blocks]
 
     def _attach_cached(self, req: Request) -> int:

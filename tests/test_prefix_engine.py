@@ -1,0 +1,107 @@
+"""Prefix caching through the engine: greedy output is identical with caching on and off, and a poisoned cache
+(a hash that names the wrong prefix) is caught by that comparison.
+
+Requests share a system prompt and arrive a few steps apart, so later ones start on the blocks the earlier ones
+committed (target and draft); an agent-style request resends a whole conversation (prompt + output). Every
+configuration must reproduce the run with caching off token for token, and the cache must have been hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.llm_engine import LLMEngine
+from engine.llm import LLM
+from scheduler.prefix_cache import hash_block
+from scheduler.sampling_params import SamplingParams
+from tests.conftest import marked_slow, run_to_completion, spec
+from tests.test_engine_greedy import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SYSTEM = [1] + [(13 * i) % 120 + 3 for i in range(27)]  # 28 tokens: 7 blocks of 4
+# Shared whole, in part, not at all (the last one: as long as the others, so a wrong hash would reuse their K/V).
+PROMPTS = [SYSTEM + [5, 6], SYSTEM + [7], SYSTEM[:17] + [9, 9, 9], SYSTEM + [5, 6], [1, 40, 41],
+           [1] + list(range(60, 89))]
+
+
+def staggered(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY,
+              every: int = 2) -> list[list[int]]:
+    """Add the prompts ``every`` steps apart, then one resending the first conversation; the outputs."""
+    outs: dict = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        for _ in range(every):
+            outs.update({o.request_id: o for o in engine.step_finished()})
+    outs.update(run_to_completion(engine))
+    agent = prompts[0] + outs["0"].token_ids + [3]
+    engine.add_request("agent", agent, params)
+    outs.update(run_to_completion(engine))
+    return [outs[str(i)].token_ids for i in range(len(prompts))] + [outs["agent"].token_ids]
+
+
+def generate(target: str | None, speculative, caching: bool, **kw) -> tuple[list[list[int]], LLMEngine]:
+    prompts = kw.pop("prompts", PROMPTS)
+    llm = LLM(target, speculative, enable_prefix_caching=caching, **kw)
+    return staggered(llm.engine, prompts), llm.engine
+
+
+CONFIGS = {  # name -> speculative_config builder (the perturbed draft: acceptance is partial)
+    "none": lambda m: None,
+    "chain3": lambda m: spec(m.perturbed, 3),
+    "tree221": lambda m: spec(m.perturbed, None, [2, 2, 1]),
+    "pipelined": lambda m: {**spec(m.perturbed, 3), "pipeline": True, "pipeline_switch": False},
+    "adaptive-lazy-draft": lambda m: spec(m.perturbed, 3, adaptive=True),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_identical_with_caching_on_and_off(llama, config: str) -> None:
+    cfg = CONFIGS[config](llama)
+    off, _ = generate(llama.target, cfg, False, block_size=4)
+    on, engine = generate(llama.target, cfg, True, block_size=4)
+    assert on == off
+    assert on[:-1] == hf_greedy(llama.target, PROMPTS, GREEDY.max_tokens)
+    stats = engine.scheduler.prefix_stats
+    assert stats.hits >= 3 * 24, stats  # the later shared-prompt requests and the agent's resend hit
+    if cfg is not None:
+        assert stats.draft_hits > 0, stats  # the draft's prefill was cached too
+    s = engine.scheduler
+    assert s.target_blocks.num_free == s.target_blocks.num_blocks  # cached blocks are free to take
+
+
+def poisoned(parent: bytes, tokens, extra: tuple = ()) -> bytes:
+    """A wrong block hash: it ignores the block's tokens, so blocks at the same place in different prompts
+    collide and a request reuses another prefix's K/V."""
+    return hash_block(parent, [len(tokens)], extra)
+
+
+@pytest.mark.parametrize("config", ["none", "chain3"])
+def test_a_poisoned_cache_fails_the_identity_test(llama, config: str) -> None:
+    """The identity test above has power: with a hash that lets a different prefix be reused, output changes."""
+    cfg = CONFIGS[config](llama)
+    prompts = [[1] + list(range(50, 70)), [1] + list(range(80, 100))]  # same length, nothing shared but [1]
+    off, _ = generate(llama.target, cfg, False, block_size=4, prompts=prompts)
+    llm = LLM(llama.target, cfg, block_size=4)
+    llm.engine.scheduler.hash_fn = poisoned
+    on = staggered(llm.engine, prompts)
+    assert llm.engine.scheduler.prefix_stats.hits > 0
+    assert on[1] != off[1]  # the second prompt ran on the first one's K/V: the comparison catches it
+
+
+BUILTIN = {  # the built-in pair (trained draft: high acceptance), fixed depth so rounds really speculate
+    "chain4": {"adaptive": False, "num_speculative_tokens": 4},
+    "pipelined": {"adaptive": False, "num_speculative_tokens": 4, "pipeline": True, "pipeline_switch": False},
+}
+
+
+@pytest.mark.parametrize("config", marked_slow(sorted(BUILTIN), {"pipelined"}))
+def test_builtin_pair_greedy_identical_with_caching_on_and_off(config: str) -> None:
+    system = [1] + [(37 * i) % 4000 + 20 for i in range(40)]  # 41 tokens: 2 blocks of 16
+    prompts = [system + [100 + i] for i in range(3)] + [system[:20] + [7, 8]]
+    results = {}
+    for caching in (False, True):
+        llm = LLM(None, BUILTIN[config], enable_prefix_caching=caching)
+        results[caching] = staggered(llm.engine, prompts)
+    assert results[True] == results[False]
+    assert llm.engine.scheduler.prefix_stats.hits >= 2 * 32
+    assert llm.engine.stats.num_rounds > 0
