@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.config import DEFAULT_MODELS_DIR
 from engine.core.llm_engine import LLMEngine
 from engine.llm import LLM
 from scheduler.prefix_cache import hash_block
@@ -105,3 +106,30 @@ def test_builtin_pair_greedy_identical_with_caching_on_and_off(config: str) -> N
     assert results[True] == results[False]
     assert llm.engine.scheduler.prefix_stats.hits >= 2 * 32
     assert llm.engine.stats.num_rounds > 0
+
+
+V4_MODELS = DEFAULT_MODELS_DIR / "v4-target", DEFAULT_MODELS_DIR / "draft"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (V4_MODELS[0] / "config.json").is_file(), reason="built-in V4 target not installed")
+def test_v4_target_recomputes_its_prefix() -> None:
+    """A DeepSeek-V4 target's compressed state is not in its KV blocks: the engine runs it without prefix caching
+    (greedy identical either way), and the test shows why: forced on, a shared prefix corrupts the output."""
+    system = [1] + [(37 * i) % 900 + 20 for i in range(40)]
+    prompts = [system + [100 + i] for i in range(3)]
+    cfg = {"model": str(V4_MODELS[1]), "adaptive": False, "num_speculative_tokens": 3}
+    results = {}
+    for caching in (False, True):
+        llm = LLM(str(V4_MODELS[0]), cfg, enable_prefix_caching=caching)
+        results[caching] = staggered(llm.engine, prompts)
+    assert not llm.engine.scheduler.target_blocks.enable_caching
+    assert results[True] == results[False]
+    forced = LLM(str(V4_MODELS[0]), cfg)
+    for pool in (forced.engine.scheduler.target_blocks, forced.engine.scheduler.draft_blocks):
+        pool.enable_caching = True
+    try:
+        broken = staggered(forced.engine, prompts)
+    except Exception:  # noqa: BLE001 - a worker that refuses the shared prefix is as good a proof as wrong output
+        broken = None
+    assert broken != results[False]
