@@ -133,3 +133,16 @@ def test_v4_target_recomputes_its_prefix() -> None:
     except Exception:  # noqa: BLE001 - a worker that refuses the shared prefix is as good a proof as wrong output
         broken = None
     assert broken != results[False]
+
+
+def test_prometheus_counts_prefix_cache_queries_and_hits(llama) -> None:
+    from engine.server.metrics import ServerMetrics, read_engine_stats
+
+    _, engine = generate(llama.target, None, True, block_size=4)
+    metrics = ServerMetrics("m")
+    metrics.observe_stats(read_engine_stats(engine))
+    metrics.observe_stats(read_engine_stats(engine))  # counters advance by differences: no double count
+    value = metrics.registry.get_sample_value
+    stats = engine.scheduler.prefix_stats
+    assert value("specserve:prefix_cache_queries_total", {"model_name": "m"}) == stats.queries > 0
+    assert value("specserve:prefix_cache_hits_total", {"model_name": "m"}) == stats.hits > 0
