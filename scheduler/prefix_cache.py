@@ -46,6 +46,11 @@ def chain_hashes(tokens: Sequence[int], block_size: int, have: list[BlockHash], 
     return have
 
 
+def namespace(*model: object) -> bytes:
+    """A pool's key prefix from what computed its blocks (the model's path, weight format, dtype)."""
+    return repr(model).encode()
+
+
 @dataclass
 class PrefixCacheStats:
     """vLLM's prefix-cache counters, in prompt tokens: ``queries`` looked up at admission, ``hits`` found cached
