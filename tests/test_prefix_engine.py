@@ -146,3 +146,37 @@ def test_prometheus_counts_prefix_cache_queries_and_hits(llama) -> None:
     stats = engine.scheduler.prefix_stats
     assert value("specserve:prefix_cache_queries_total", {"model_name": "m"}) == stats.queries > 0
     assert value("specserve:prefix_cache_hits_total", {"model_name": "m"}) == stats.hits > 0
+
+
+@pytest.mark.parametrize("config", ["none", "tree221"])
+def test_memory_pressure_preempts_and_output_is_unchanged(llama, config: str) -> None:
+    """A pool too small for every request (cached blocks give way before anyone waits: tests/test_prefix_cache.py):
+    requests are preempted, hits still happen, and the output is the output with caching off."""
+    cfg = CONFIGS[config](llama)
+    off, _ = generate(llama.target, cfg, False, block_size=4, num_kv_tokens=112)
+    llm = LLM(llama.target, cfg, block_size=4, num_kv_tokens=112)
+    preempted = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording(*a, **kw):
+        batch = schedule(*a, **kw)
+        preempted.extend(batch.preempted)
+        return batch
+
+    llm.engine.scheduler.schedule = recording
+    on = staggered(llm.engine, PROMPTS, every=1)
+    assert on == off
+    assert preempted and llm.engine.scheduler.prefix_stats.hits > 0
+    pool = llm.engine.scheduler.target_blocks
+    assert pool.num_free == pool.num_blocks and pool.num_cached <= pool.num_blocks
+
+
+def test_the_flag_turns_caching_off() -> None:
+    import argparse
+
+    from engine.core.args import EngineArgs
+
+    ap = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(ap.parse_args([])).to_engine_config().cache.enable_prefix_caching
+    args = EngineArgs.from_cli_args(ap.parse_args(["--no-enable-prefix-caching"]))
+    assert not args.to_engine_config().cache.enable_prefix_caching
