@@ -180,3 +180,33 @@ def test_the_flag_turns_caching_off() -> None:
     assert EngineArgs.from_cli_args(ap.parse_args([])).to_engine_config().cache.enable_prefix_caching
     args = EngineArgs.from_cli_args(ap.parse_args(["--no-enable-prefix-caching"]))
     assert not args.to_engine_config().cache.enable_prefix_caching
+
+
+@pytest.mark.slow
+def test_a_replaced_draft_forgets_its_cached_prefixes(llama) -> None:
+    """The draft process dies: its replacement's cache is empty, so no prefix cached before (or while it was
+    down) may count as the draft's; the target's cache is untouched, and the output is as without the fault."""
+    import os
+    import signal
+    import time
+
+    cfg = spec(llama.perturbed, 3)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    reference, _ = generate(llama.target, cfg, True, block_size=4, prompts=prompts)
+    with LLM(llama.target, {**cfg, "draft_process": True}, block_size=4) as llm:
+        engine, stats = llm.engine, llm.engine.scheduler.prefix_stats
+        outs = [llm.generate([prompts[0]], GREEDY)[0].token_ids]
+        os.kill(engine.executor.describe()["draft_pid"], signal.SIGKILL)
+        engine.add_request("1", prompts[1], GREEDY)
+        done: dict = {}
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished or engine.recovery.degraded:
+            assert time.monotonic() < deadline, "the draft was not replaced in time"
+            done.update({o.request_id: o.token_ids for o in engine.step_finished()})
+        assert engine.recovery.stats.restarts == {"draft": 1} and engine.draft_up
+        outs.append(done["1"])
+        hits, draft_hits = stats.hits, stats.draft_hits
+        outs.append(llm.generate([prompts[2]], GREEDY)[0].token_ids)
+        assert stats.hits - hits >= 24  # the target still had the system prompt
+        assert stats.draft_hits == draft_hits  # the new draft had none of it: recomputed, not trusted
+    assert outs == reference[:3]
