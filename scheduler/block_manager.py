@@ -117,21 +117,22 @@ class BlockManager:
             table.append(block)
         self._registered[seq_id] = len(table)
 
-    def register(self, seq_id: int, hashes: Sequence[BlockHash]) -> None:
-        """The first ``len(hashes)`` blocks of ``seq_id``'s table are full and committed: cache them by hash.
+    def register(self, seq_id: int, hashes: Sequence[BlockHash], num_blocks: int) -> None:
+        """The first ``num_blocks`` blocks of ``seq_id``'s table (named by ``hashes``) are full and committed:
+        cache them by hash.
 
         A hash already cached under another block (two requests computed the same prefix at once) keeps the
         first block; the duplicate stays private and is freed as usual."""
         if not self.enable_caching:
             return
         table = self.tables.get(seq_id, [])
-        done = self._registered.get(seq_id, 0)
-        for i in range(done, min(len(hashes), len(table))):
+        done, upto = self._registered.get(seq_id, 0), min(num_blocks, len(hashes), len(table))
+        for i in range(done, upto):
             key, block = self.namespace + hashes[i], table[i]
             if block not in self._hash_of and key not in self._cached:
                 self._cached[key] = block
                 self._hash_of[block] = key
-        self._registered[seq_id] = max(done, min(len(hashes), len(table)))
+        self._registered[seq_id] = max(done, upto)
 
     def drop_cache(self) -> None:
         """Forget every hash: the worker's cache was lost (engine/execution/recovery.py), nothing in it is valid."""

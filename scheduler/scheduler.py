@@ -287,17 +287,19 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------------------- prefix caching
     def _hashes(self, req: Request, num_blocks: int) -> list:
+        """The request's block hashes, grown to ``num_blocks`` (no copy: registering runs every step)."""
         if len(req.block_hashes) < num_blocks:
             chain_hashes(req.all_token_ids, self.target_blocks.block_size, req.block_hashes, num_blocks,
                          hash_fn=self.hash_fn)
-        return req.block_hashes[:num_blocks]
+        return req.block_hashes
 
     def _attach_cached(self, req: Request) -> int:
         """Start a request that holds no blocks on its cached prefix; the target's hit in tokens."""
         if not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables:
             return 0
         bs = self.target_blocks.block_size
-        hashes = self._hashes(req, (req.prefill_end - 1) // bs)  # never the last prefill token's block
+        limit = (req.prefill_end - 1) // bs  # never the last prefill token's block
+        hashes = self._hashes(req, limit)[:limit]
         n = self.target_blocks.match(hashes)
         self.target_blocks.attach(req.seq_id, hashes[:n])
         req.num_cached_target = n * bs
@@ -321,9 +323,9 @@ class Scheduler:
         n_target = min(req.num_cached_target, req.num_tokens) // bs
         n_draft = min(req.num_cached_draft, len(req.prompt_token_ids)) // bs if self.draft_blocks is not None else 0
         hashes = self._hashes(req, max(n_target, n_draft))
-        self.target_blocks.register(req.seq_id, hashes[:n_target])
+        self.target_blocks.register(req.seq_id, hashes, n_target)
         if self.draft_blocks is not None:
-            self.draft_blocks.register(req.seq_id, hashes[:n_draft])
+            self.draft_blocks.register(req.seq_id, hashes, n_draft)
 
     def update_from_output(self, batch: ScheduledBatch, results: Sequence[VerifiedRound], num_drafted: Sequence[int],
                            num_cached_draft: Mapping[int, int], totals: RoundSink | None = None) -> None:
