@@ -24,8 +24,14 @@ import httpx
 
 from benchmarks.openai_stream import CHAT, COMPLETIONS, RequestRecord, fetch_model_id, request_body, send_request
 from benchmarks.serve_report import format_summary, parse_goodput, parse_percentiles, summarize
-from benchmarks.server_metrics import QueueSampler, scrape, spec_decode_delta
-from benchmarks.workload import BenchRequest, arrival_offsets, load_jsonl, random_requests
+from benchmarks.server_metrics import QueueSampler, prefix_cache_delta, scrape, spec_decode_delta
+from benchmarks.workload import (
+    BenchRequest,
+    arrival_offsets,
+    load_jsonl,
+    prefix_repetition_requests,
+    random_requests,
+)
 
 DEFAULT_DATASET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "default_models",
                                "prompts.jsonl")
@@ -133,6 +139,7 @@ async def _run(cfg: BenchConfig, requests: list[BenchRequest]) -> dict[str, Any]
     }
     result.update(summarize(records, duration, cfg.percentiles, cfg.goodput_ms))
     result["spec_decode"] = spec_decode_delta(before, after)
+    result["prefix_cache"] = prefix_cache_delta(before, after)
     result["server_load"] = server_load
     result["requests"] = [r.to_json() for r in records]
     return result
@@ -156,6 +163,11 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--random-range-ratio", type=float, default=0.0)
     ap.add_argument("--random-token-range", default="100,1000",
                     help="MIN,MAX: random prompt token ids are drawn from [MIN, MAX)")
+    ap.add_argument("--prefix-repetition-prefix-len", type=int, default=None,
+                    help="shared-prefix prompts (vLLM's prefix_repetition dataset): random prefixes of this length")
+    ap.add_argument("--prefix-repetition-suffix-len", type=int, default=64, help="each request's own suffix")
+    ap.add_argument("--prefix-repetition-num-prefixes", type=int, default=4, help="distinct prefixes")
+    ap.add_argument("--prefix-repetition-output-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens for dataset lines without one")
     ap.add_argument("--output-len", type=int, default=None, help="max_tokens for every dataset line (overrides)")
     ap.add_argument("--temperature", type=float, default=None, help="temperature for dataset lines without one")
@@ -178,6 +190,13 @@ def build_requests(args: argparse.Namespace, num_prompts: int) -> list[BenchRequ
         defaults["ignore_eos"] = True
     if args.temperature is not None:
         defaults["temperature"] = args.temperature
+    if args.prefix_repetition_prefix_len is not None:
+        if args.dataset is not None or args.random_input_len is not None:
+            raise ValueError("give one of --dataset, --random-input-len, --prefix-repetition-prefix-len")
+        lo, _, hi = args.random_token_range.partition(",")
+        return prefix_repetition_requests(num_prompts, args.prefix_repetition_prefix_len,
+                                          args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                          args.prefix_repetition_output_len, (int(lo), int(hi)), args.seed, defaults)
     if args.random_input_len is not None:
         if args.dataset is not None:
             raise ValueError("give either --dataset or --random-input-len, not both")

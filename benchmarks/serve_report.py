@@ -137,6 +137,10 @@ def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
         lines.append("Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in rates))
         if sd.get("chosen_depths"):
             lines.append("Depths chosen (rounds): " + ", ".join(f"{k}: {n}" for k, n in sd["chosen_depths"].items()))
+    pc = result.get("prefix_cache")
+    if pc and pc.get("queries"):
+        lines.append(f"{'-' * 15}Prefix Cache{'-' * 15}")
+        lines.append(f"{'Prefix cache hit rate (tokens):':<40}{pc['hit_rate']:>12.3f}")
     if result.get("errors"):
         lines.append("Errors: " + "; ".join(f"{n} x {e}" for e, n in result["errors"].items()))
     return "\n".join(lines)

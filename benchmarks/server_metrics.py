@@ -20,6 +20,7 @@ DRAFTS, DRAFT_TOKENS, ACCEPTED = ("spec_decode_num_drafts_total", "spec_decode_n
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"
 CHOSEN = "spec_decode_chosen_depth_total"  # specserve's only: rounds per depth its policy chose
 RUNNING, WAITING = "num_requests_running", "num_requests_waiting"
+PREFIX_QUERIES, PREFIX_HITS = "prefix_cache_queries_total", "prefix_cache_hits_total"  # prompt tokens (vLLM's)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Snapshot:
 
 def parse_metrics(text: str) -> Snapshot:
     snap = Snapshot()
-    wanted = (DRAFTS, DRAFT_TOKENS, ACCEPTED, RUNNING, WAITING)
+    wanted = (DRAFTS, DRAFT_TOKENS, ACCEPTED, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             prefix = next((p for p in PREFIXES if s.name.startswith(p)), None)
@@ -135,3 +136,13 @@ class QueueSampler:
         return {"samples": len(self.running), "interval_s": self.interval_s,
                 "mean_running": sum(self.running) / len(self.running), "max_running": max(self.running),
                 "mean_waiting": sum(self.waiting) / len(self.waiting), "max_waiting": max(self.waiting)}
+
+
+def prefix_cache_delta(before: Snapshot | None, after: Snapshot | None) -> dict[str, Any] | None:
+    """The run's prefix-cache lookups (prompt tokens queried and found cached) and hit rate; None when the server
+    exposes no prefix-cache counters."""
+    if before is None or after is None or PREFIX_QUERIES not in after.values:
+        return None
+    queries = after.values[PREFIX_QUERIES] - before.values.get(PREFIX_QUERIES, 0.0)
+    hits = after.values.get(PREFIX_HITS, 0.0) - before.values.get(PREFIX_HITS, 0.0)
+    return {"queries": int(queries), "hits": int(hits), "hit_rate": hits / queries if queries else None}

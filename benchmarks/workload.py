@@ -98,6 +98,29 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     return out
 
 
+def prefix_repetition_requests(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, token_range: tuple[int, int] = (100, 1000), seed: int = 0,
+                               defaults: dict[str, Any] | None = None) -> list[BenchRequest]:
+    """Shared-prefix prompts (vLLM's ``prefix_repetition`` dataset): ``num_prefixes`` random prefixes of
+    ``prefix_len`` token ids, each request one of them (in turn, then shuffled) followed by its own random suffix
+    of ``suffix_len``; ``max_tokens`` = ``output_len``. What a prefix cache is for: a system prompt or documents
+    sent again and again."""
+    if min(num_prompts, prefix_len, num_prefixes, output_len) < 1 or suffix_len < 0:
+        raise ValueError("num_prompts, prefix length, number of prefixes and output length must be >= 1, "
+                         "suffix length >= 0")
+    lo, hi = token_range
+    if not 0 <= lo < hi:
+        raise ValueError(f"random token range must satisfy 0 <= min < max, got {token_range}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(lo, hi) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    out = [BenchRequest(f"prefix{i % num_prefixes}-{i}",
+                        prefixes[i % num_prefixes] + [rng.randrange(lo, hi) for _ in range(suffix_len)],
+                        {**(defaults or {}), "max_tokens": output_len})
+           for i in range(num_prompts)]
+    rng.shuffle(out)
+    return out
+
+
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send times in seconds from the start, for ``n`` requests: the first at 0, then gamma-distributed gaps
     with mean 1 / request_rate and squared coefficient of variation 1 / burstiness."""

@@ -102,10 +102,12 @@ class RequestStats(RoundStats):
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the target's prefix cache at its last admission
 
     def as_dict(self) -> dict:
         ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        return {**super().as_dict(), "ttft_s": None if ttft is None else round(ttft, 6)}
+        return {**super().as_dict(), "ttft_s": None if ttft is None else round(ttft, 6),
+                "cached_tokens": self.num_cached_tokens}
 
 
 @dataclass(eq=False)  # identity: `req in running` must not compare every field of every request
@@ -122,6 +124,8 @@ class Request:
     seed: int | None = None  # the sampling streams' seed: the user's, or one the engine drew
     priority: int = 0  # admission order: lower first (vLLM's convention); batch jobs run at 1, online at 0
     stats: RequestStats = field(default_factory=RequestStats)
+    # hashes of its first full blocks (scheduler/prefix_cache.py), grown as blocks fill; tokens never change
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

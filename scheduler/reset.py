@@ -8,6 +8,9 @@ Nothing the scheduler believed about a lost cache is kept; the counters are deri
   (``Request.prefill_end``).
 - The draft's cache is gone: the block tables stay (reserved for the next rounds); once a new draft has been
   refilled with every running request's target-committed tokens, that is what the draft has committed.
+- Either way the lost pool's prefix cache is forgotten (``forget_cached``): a hash names K/V the new worker
+  does not have. The draft's is forgotten again when the new draft is refilled: blocks offered while it was
+  down (the scheduler counts prompt chunks as the draft's even then) hold nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ def requeue_all(scheduler: Scheduler) -> list[Request]:
     if scheduler.draft_blocks is not None:
         _empty(scheduler.draft_blocks)
     return requeued
+
+
+def forget_cached(scheduler: Scheduler | None, target: bool) -> None:
+    """The target's (``target``) or the draft's worker lost its cache: no cached block of that pool is valid."""
+    if scheduler is None:
+        return
+    pool = scheduler.target_blocks if target else scheduler.draft_blocks
+    if pool is not None:
+        pool.drop_cache()
 
 
 def draft_refilled(scheduler: Scheduler) -> None:

@@ -15,6 +15,14 @@ Priority: ``Request.priority`` orders the waiting queue (lower first; arrival or
 waiting request that finds the running set full of lower-priority work (higher number) preempts the newest of
 it. Batch jobs run at a lower priority than online requests this way, so interactive latency holds while a
 job runs; preemption victims are always chosen lowest priority first.
+
+Prefix caching (when the pools have it on; scheduler/prefix_cache.py, scheduler/block_manager.py): an admitted
+request starts its target table with the longest run of cached full blocks of its prefix, never the block of
+its last prefill token (the target must compute that token's logits), and its prefill starts there. The draft
+starts at its own hit, at most the target's (the draft is fed the rest with its prefill chunk, or with its first
+round when it prefills lazily). Blocks are offered to the cache once full and committed (``_register_cached``):
+on the target every committed block; on the draft only prompt blocks, the positions it always writes in place
+(its accepted tree nodes reach their slots only with its next call, which a finishing request never makes).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from scheduler.block_manager import BlockManager
+from scheduler.prefix_cache import HashFn, PrefixCacheStats, chain_hashes, hash_block
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.spec_policy import SpecPolicy, branching_nodes
 
@@ -98,6 +107,10 @@ class Scheduler:
         self.lazy_draft_prefill = lazy_draft_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_stats = PrefixCacheStats()
+        self.hash_fn: HashFn = hash_block  # what names a block (tests/test_prefix_engine.py poisons it)
+        if draft_blocks is not None and draft_blocks.block_size != target_blocks.block_size:
+            raise ValueError("the target and draft pools must share a block size (one block hash serves both)")
 
     @property
     def capacity_slots(self) -> int:
@@ -156,6 +169,7 @@ class Scheduler:
             self.draft_blocks.free(req.seq_id)
 
     def _preempt(self, req: Request) -> None:
+        self._register_cached(req)  # its committed blocks stay cached: re-admitted, it finds them
         self._release(req)
         req.num_cached_target = 0
         req.num_cached_draft = 0
@@ -168,6 +182,8 @@ class Scheduler:
         chunks still run). The engine holds seeded sampled requests while the draft is being replaced."""
         out = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        for req in self.running:  # last step's commits (its tokens are emitted now)
+            self._register_cached(req)
         # A full running set of lower-priority work yields one slot to a higher-priority arrival.
         if (self.waiting and len(self.running) >= self.config.max_num_seqs
                 and self.waiting[0].priority < self._victim().priority):
@@ -209,8 +225,12 @@ class Scheduler:
         while self.waiting and not short_of_kv and len(self.running) < self.config.max_num_seqs:
             # Admit in arrival order only while the head fits; skipping it would starve long prompts.
             head = self.waiting[0]
-            if not self._fits(head, min(head.prefill_end, max(budget, 1))):
+            hit = self._attach_cached(head)
+            if not self._fits(head, min(head.prefill_end, hit + max(budget, 1))):
+                self._detach_cached(head)
                 break
+            if self.target_blocks.enable_caching:
+                self.prefix_stats.record(head.prefill_end, hit, head.num_cached_draft)
             self.waiting.popleft()
             head.status = RequestStatus.RUNNING
             self.running.append(head)
@@ -255,6 +275,8 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if req in self.running:
+            self._register_cached(req)
         self._release(req)
         if self.policy is not None:
             self.policy.forget(req.seq_id)
@@ -262,6 +284,48 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:  # aborted before it ran (or while preempted)
             self.waiting.remove(req)
+
+    # ---------------------------------------------------------------------------------------- prefix caching
+    def _hashes(self, req: Request, num_blocks: int) -> list:
+        """The request's block hashes, grown to ``num_blocks`` (no copy: registering runs every step)."""
+        if len(req.block_hashes) < num_blocks:
+            chain_hashes(req.all_token_ids, self.target_blocks.block_size, req.block_hashes, num_blocks,
+                         hash_fn=self.hash_fn)
+        return req.block_hashes
+
+    def _attach_cached(self, req: Request) -> int:
+        """Start a request that holds no blocks on its cached prefix; the target's hit in tokens."""
+        if not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables:
+            return 0
+        bs = self.target_blocks.block_size
+        limit = (req.prefill_end - 1) // bs  # never the last prefill token's block
+        hashes = self._hashes(req, limit)[:limit]
+        n = self.target_blocks.match(hashes)
+        self.target_blocks.attach(req.seq_id, hashes[:n])
+        req.num_cached_target = n * bs
+        if self.draft_blocks is not None:
+            d = self.draft_blocks.match(hashes[:n])
+            self.draft_blocks.attach(req.seq_id, hashes[:d])
+            req.num_cached_draft = d * bs
+        req.stats.num_cached_tokens = n * bs
+        return n * bs
+
+    def _detach_cached(self, req: Request) -> None:
+        """Undo ``_attach_cached`` for a request that stays waiting (its blocks go back to the LRU)."""
+        self._release(req)
+        req.num_cached_target = req.num_cached_draft = req.stats.num_cached_tokens = 0
+
+    def _register_cached(self, req: Request) -> None:
+        """Offer the request's full committed blocks to the cache (scratch and partial blocks never)."""
+        if not self.target_blocks.enable_caching:
+            return
+        bs = self.target_blocks.block_size
+        n_target = min(req.num_cached_target, req.num_tokens) // bs
+        n_draft = min(req.num_cached_draft, len(req.prompt_token_ids)) // bs if self.draft_blocks is not None else 0
+        hashes = self._hashes(req, max(n_target, n_draft))
+        self.target_blocks.register(req.seq_id, hashes, n_target)
+        if self.draft_blocks is not None:
+            self.draft_blocks.register(req.seq_id, hashes, n_draft)
 
     def update_from_output(self, batch: ScheduledBatch, results: Sequence[VerifiedRound], num_drafted: Sequence[int],
                            num_cached_draft: Mapping[int, int], totals: RoundSink | None = None) -> None:

@@ -66,6 +66,9 @@ class EngineArgs:
     block_size: int = _arg(CacheConfig.block_size, "tokens per KV block", type=int)
     num_kv_tokens: int | None = _arg(None, "KV pool size per model, in tokens (default: max_num_seqs full-length "
                                            "sequences, capped)", type=int)
+    enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching, "automatic prefix caching: full KV "
+                                       "blocks of a shared prefix are computed once (--no-enable-prefix-caching "
+                                       "turns it off)", type=bool)
     tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size, "target ranks (Ray actors)", type=int,
                                      flags=("--tensor-parallel-size", "-tp"))
     address: str | None = _arg(None, "join this Ray cluster (default: start a local one if needed)")
@@ -100,6 +103,10 @@ class EngineArgs:
             flags = m["flags"] or ("--" + f.name.replace("_", "-"),)
             env = m["env"]
             default = m["type"](os.environ[env]) if env is not None and os.environ.get(env) else f.default
+            if m["type"] is bool:  # --flag / --no-flag (vLLM's spelling)
+                parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                    help=m["help"] + f" (default: {default})")
+                continue
             parser.add_argument(*flags, dest=f.name, type=m["type"], choices=m["choices"], metavar=m["metavar"],
                                 default=default, help=m["help"] + ("" if default is None else " (default: "
                                 "%(default)s" + (f"; ${env}" if env is not None else "") + ")"))
@@ -133,7 +140,8 @@ class EngineArgs:
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens),
-            cache=CacheConfig(block_size=self.block_size, num_kv_tokens=self.num_kv_tokens),
+            cache=CacheConfig(block_size=self.block_size, num_kv_tokens=self.num_kv_tokens,
+                              enable_prefix_caching=self.enable_prefix_caching),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, address=self.address,
                                     backend=self.distributed_executor_backend, transport=self.transport,
                                     placement_timeout_s=self.placement_timeout_s,

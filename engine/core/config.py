@@ -266,6 +266,10 @@ class CacheConfig:
     block_size: int = 16
     # KV pool size per model, in tokens; None sizes it for max_num_seqs full-length sequences, capped.
     num_kv_tokens: int | None = None
+    # Automatic prefix caching (vLLM's default): full KV blocks of a shared prefix are computed once and kept,
+    # reference-counted, until their room is needed; off trades prefill compute for nothing (a debugging switch).
+    # DeepSeek-V4 models run without it (LLMEngine: their compressed state is not in the blocks).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

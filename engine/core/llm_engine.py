@@ -10,6 +10,7 @@ the controller handles ints only (the draft's laws go to the verifier directly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import secrets
 import time
@@ -29,6 +30,7 @@ from engine.execution.recovery import Recovery
 from engine.execution.role import Role
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.block_manager import BlockManager
+from scheduler.prefix_cache import namespace
 from scheduler.request import FinishReason, Request
 from scheduler.reset import draft_refilled, requeue_all
 from scheduler.sampling_params import SamplingParams
@@ -88,9 +90,11 @@ class LLMEngine:
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         policy = build_policy(spec, self.tree, self.max_model_len, self.draft_max_len) if spec is not None else None
-        self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
-                                   BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
-                                   draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
+        v4 = "deepseek_v4" in (tcfg.model_type, dcfg and dcfg.model_type)  # state outside the blocks: no caching
+        pool = functools.partial(BlockManager, num_blocks, bs, config.cache.enable_prefix_caching and not v4)
+        self.scheduler = Scheduler(config.scheduler, pool(namespace(config.target, config.quantization, config.dtype)),
+                                   pool(namespace(spec.model, spec.quantization, config.dtype)) if spec else None,
+                                   num_nodes, draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
                                    policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
                                    and not spec.pipeline)
         self.stats = SpecDecodingStats()

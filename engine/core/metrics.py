@@ -6,7 +6,11 @@ import time
 from dataclasses import MISSING, dataclass, field, fields
 
 from scheduler.adaptive.costs import StepTiming
+from scheduler.prefix_cache import PrefixCacheStats
 from scheduler.request import RoundStats
+
+# The prefix cache's counters are the scheduler's (it owns the lookups); named here with the engine's other stats.
+__all__ = ["PrefixCacheStats", "SpecDecodingStats", "StepClock", "StepTimes", "reset"]
 
 
 def reset(stats: object) -> None:

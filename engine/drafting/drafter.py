@@ -82,9 +82,10 @@ class DraftCalls:
         return out
 
     def prefills(self, batch: ScheduledBatch) -> list[PrefillSeq]:
-        """The batch's prompt chunks, cached by the draft too (no logits)."""
-        return [PrefillSeq(c.req.seq_id, self.tables[c.req.seq_id], c.start, c.req.all_token_ids[c.start:c.end])
-                for c in batch.prefills]
+        """The batch's prompt chunks, cached by the draft too (no logits). A chunk starts where the draft's cache
+        ends: before the target's after a prefix-cache hit the draft had only in part (scheduler/scheduler.py)."""
+        return [PrefillSeq(c.req.seq_id, self.tables[c.req.seq_id], s, c.req.all_token_ids[s:c.end])
+                for c in batch.prefills for s in (min(c.start, c.req.num_cached_draft),)]
 
     def seq(self, req: Request, base_len: int, branching: list[int], **kw) -> DraftSeq:
         """Draft below the request's last token, feeding every token from ``base_len`` on."""

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from engine.execution.faults import TooManyRestartsError, WorkerDiedError
 from engine.execution.role import Role
+from scheduler.reset import forget_cached
 
 
 class RestartableExecutor(Protocol):
@@ -118,6 +119,12 @@ class Recovery:
         self._recovering: Role | None = None  # the role ``recover`` is rebuilding now (the step is blocked on it)
 
     @property
+    def _scheduler(self) -> Any:
+        """The engine's scheduler, whose pools' prefix caches a lost worker takes with it (None: an engine
+        without one, as recovery's own tests fake it)."""
+        return getattr(self.engine, "scheduler", None)
+
+    @property
     def degraded(self) -> bool:
         """A role is being restarted (the draft: the engine decodes without speculation meanwhile)."""
         return bool(self._restarting)
@@ -179,6 +186,7 @@ class Recovery:
             return
         if ready:
             try:
+                forget_cached(self._scheduler, target=False)  # blocks offered while it was down are empty
                 self.engine.resume_draft()
             except WorkerDiedError as e:  # the replacement died while its cache was refilled: once more
                 del self._restarting[Role.DRAFT]
@@ -205,6 +213,7 @@ class Recovery:
         executor.begin_restart(role)  # RuntimeError if the plan no longer fits the cluster: not retried
         self.stats.restarts[role] = self.stats.restarts.get(role, 0) + 1
         self.engine.lose_worker_state(role)
+        forget_cached(self._scheduler, target=role == Role.TARGET)  # the new worker's cache is empty
         if role == Role.DRAFT:
             self._restarting[role] = noticed
             self._started[role] = time.monotonic()

@@ -41,6 +41,8 @@ class EngineStats:
     accepted_per_position: tuple[int, ...] = ()  # [depth] -> rounds that accepted a token at that depth
     # rounds per shape the speculation policy chose ("0": plain decode, "4": a chain of 4, "tree:2x1")
     chosen_depths: tuple[tuple[str, int], ...] = ()
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (scheduler/prefix_cache.py)
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 def read_engine_stats(engine: Any) -> EngineStats:
@@ -53,7 +55,8 @@ def read_engine_stats(engine: Any) -> EngineStats:
         kv_cache_usage=1.0 - blocks.num_free / blocks.num_blocks,
         num_drafts=spec.num_rounds, num_draft_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
         accepted_per_position=tuple(spec.accepted_per_position),
-        chosen_depths=tuple(spec.chosen_depths.items()))
+        chosen_depths=tuple(spec.chosen_depths.items()),
+        prefix_cache_queries=sched.prefix_stats.queries, prefix_cache_hits=sched.prefix_stats.hits)
 
 
 class ServerMetrics:
@@ -85,6 +88,8 @@ class ServerMetrics:
                                         m + ["position"])
         self.chosen_depth = counter("spec_decode_chosen_depth", "Rounds run at each depth the speculation policy "
                                     "chose (0 = plain decode; tree:2x1 = a tree shape).", m + ["depth"])
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (prefill skipped).")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the server to the first token.",
                               TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive outputs of a request (a "
@@ -117,7 +122,9 @@ class ServerMetrics:
         self.running.labels(name).set(s.num_running)
         advances = [(self.drafts, (name,), s.num_drafts, last.num_drafts),
                     (self.draft_tokens, (name,), s.num_draft_tokens, last.num_draft_tokens),
-                    (self.accepted_tokens, (name,), s.num_accepted_tokens, last.num_accepted_tokens)]
+                    (self.accepted_tokens, (name,), s.num_accepted_tokens, last.num_accepted_tokens),
+                    (self.prefix_queries, (name,), s.prefix_cache_queries, last.prefix_cache_queries),
+                    (self.prefix_hits, (name,), s.prefix_cache_hits, last.prefix_cache_hits)]
         before_pos = dict(enumerate(last.accepted_per_position))
         advances += [(self.accepted_per_pos, (name, str(pos)), now, before_pos.get(pos, 0))
                      for pos, now in enumerate(s.accepted_per_position)]
