@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import TPGroup
+from workers.kernels.row_linear import row_invariant_linear
 
 
 class TensorSlice(Protocol):
@@ -74,14 +75,18 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)  # copy_ also converts the checkpoint dtype to the parameter dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [T, in], weight [out, in] -> [T, out].
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           row_invariant: bool = False) -> torch.Tensor:
+    """``F.linear`` for x [T, in], weight [out, in] -> [T, out]; ``row_invariant``: a row's result bit-identical
+    whatever the other rows (BLAS on fixed-shape row chunks, workers/kernels/row_linear.py).
 
     It computed (W @ x^T)^T for 2-8 rows on CPU (commit 8a511e3: MKL's small-M GEMM against a transposed weight
     had measured slow). With torch 2.13 here that orientation is the slow one: on the built-in pair's shapes
     2-8 rows took 1.2-5x F.linear's time, and a target verify of 3 tokens 16-20 ms against 10-12 ms
     (benchmarks/results/adaptive-saturation-2026-12-01/README.md). One place to change it again.
     """
+    if row_invariant:
+        return row_invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -101,12 +106,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(self.out_per_rank, in_features, dtype=dtype)  # [out / tp, in]
         self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
         self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
+        self.row_invariant = False  # a row's output independent of the other rows (``make_row_invariant``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)  # [T, out / tp]
             return y if self.bias is None else y + self.bias
-        return linear(x, self.weight, self.bias)  # [T, out / tp]
+        return linear(x, self.weight, self.bias, self.row_invariant)  # [T, out / tp]
 
     def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         """Where this rank's part of checkpoint tensor ``shard_id`` comes from and goes: (first row of our
@@ -184,14 +190,15 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, self.in_per_rank, dtype=dtype)  # [out, in / tp]
         self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
         self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
+        self.row_invariant = False  # a row's output independent of the other rows (``make_row_invariant``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)  # [T, out], this rank's partial sum
         elif self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.row_invariant)
         else:
-            y = linear(x, self.weight)  # [T, out]
+            y = linear(x, self.weight, None, self.row_invariant)  # [T, out]
         if self.tp.size > 1:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -207,6 +214,16 @@ class RowParallelLinear(nn.Module):
             return
         _, dim, start, n = self.source_region(shard_id)
         _copy_into(param.data, read_narrow(src, dim, start, n), "row-parallel weight")
+
+
+def make_row_invariant(model: nn.Module) -> None:
+    """Give every row of ``model``'s forwards the same bits whatever shares its batch (workers/kernels/): its
+    float linear layers chunk their BLAS calls, and ``model.row_invariant`` asks for the per-row head and
+    attention."""
+    model.row_invariant = True
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.row_invariant = True
 
 
 class VocabParallelEmbedding(nn.Module):
