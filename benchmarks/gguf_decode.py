@@ -17,6 +17,12 @@ one-row decode step and a 5-row chain verify (``--profile-rows``) after a prompt
 per forward against the weight-bytes floor (docs/performance.md, "Verify cost")::
 
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --target smollm2 --profile-rows 1,5
+
+``--profile --compare-kernels``: the wall time of those forwards with the row-invariant kernels and with the plain
+ones, alternating (any model: a GGUF file or a checkpoint directory)::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
+        --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,34 +123,58 @@ OP_CLASSES = {
 }
 
 
+def _prompted_runner(path: str, quantization: str | None) -> tuple[torch.nn.Module, Any, list[int], list[int]]:
+    """(model, runner with PROMPT prefilled, its block table, PROMPT's ids)."""
+    from workers.gguf_metadata import is_gguf
+    from workers.input_batch import SeqForward
+    from workers.loader import checkpoint_dtype, load_model, load_tokenizer
+    from workers.model_runner import ModelRunner
+    from workers.worker_base import auto_dtype
+
+    dtype = None if is_gguf(path) else auto_dtype(checkpoint_dtype(path), torch.device("cpu"))  # as the engine
+    model = load_model(path, dtype=dtype, quantization=quantization)
+    cfg = model.config
+    runner = ModelRunner(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 33, 16, cfg.dtype, "cpu")
+    table = list(range(1, 33))
+    tok = load_tokenizer(path)
+    if tok is None:  # a draft without a tokenizer of its own: any 40 ids
+        prompt = list(range(100, 140))
+    elif tok.chat_template:
+        prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    else:
+        prompt = tok.encode(PROMPT)
+    runner.forward([SeqForward(table, 0, list(range(-1, len(prompt) - 1)), prompt)])
+    return model, runner, table, prompt
+
+
+def _chain(table: list[int], base: int, rows: int) -> list[Any]:
+    from workers.input_batch import SeqForward
+
+    return [SeqForward(table, base, list(range(-1, rows - 1)), [17 + i for i in range(rows)],
+                       logit_nodes=list(range(rows)))]
+
+
+def _median_ms(runner: Any, seqs: list[Any], steps: int) -> float:
+    import statistics
+
+    walls = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        runner.forward(seqs)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls[2:]) * 1e3
+
+
 def profile_forwards(path: str, quantization: str | None, rows_list: list[int], steps: int) -> list[dict]:
     """Per forward of ``rows`` chain rows after the prompt: wall ms (unprofiled, median) and self ms per op
     class (profiled); "outside torch ops" is the wall time the ops' self times do not account for (Python,
     dispatch, the profiler's own share excluded)."""
-    import statistics
-
-    from workers.input_batch import SeqForward
-    from workers.loader import load_model, load_tokenizer
-    from workers.model_runner import ModelRunner
-
-    model = load_model(path, quantization=quantization)
-    cfg = model.config
-    runner = ModelRunner(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 33, 16, torch.float32, "cpu")
-    table = list(range(1, 33))
-    tok = load_tokenizer(path)
-    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
-    runner.forward([SeqForward(table, 0, list(range(-1, len(prompt) - 1)), prompt)])
+    _, runner, table, prompt = _prompted_runner(path, quantization)
     out = []
     for rows in rows_list:
-        seqs = [SeqForward(table, len(prompt), list(range(-1, rows - 1)), [17 + i for i in range(rows)],
-                           logit_nodes=list(range(rows)))]
-        walls = []
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            runner.forward(seqs)
-            walls.append(time.perf_counter() - start)
-        wall_ms = statistics.median(walls[2:]) * 1e3
+        seqs = _chain(table, len(prompt), rows)
+        wall_ms = _median_ms(runner, seqs, steps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 runner.forward(seqs)
@@ -154,6 +185,27 @@ def profile_forwards(path: str, quantization: str | None, rows_list: list[int], 
         classes["outside torch ops"] = max(0.0, wall_ms - sum(classes.values()))
         out.append({"rows": rows, "wall_ms": wall_ms, "classes_ms": classes})
     return out
+
+
+def compare_kernels(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int) -> None:
+    """Wall ms per forward with the row-invariant kernels and with the plain ones (F.linear, batched SDPA, GEMM
+    head), alternating ``repeats`` times in this process; medians."""
+    import statistics
+
+    model, runner, table, prompt = _prompted_runner(path, quantization)
+    flagged = [m for m in model.modules() if hasattr(m, "row_invariant")]  # the model and its float linears
+    walls: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(repeats):
+        for on in (False, True):
+            for m in flagged:
+                m.row_invariant = on
+            for rows in rows_list:
+                walls.setdefault((rows, on), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps))
+    print(f"ms per forward after a {len(prompt)}-token prompt, medians of {repeats} alternating runs")
+    print(f"{'rows':>5} {'plain':>8} {'row-invariant':>14} {'ratio':>6}")
+    for rows in rows_list:
+        a, b = (statistics.median(walls[(rows, on)]) for on in (False, True))
+        print(f"{rows:>5} {a:>8.2f} {b:>14.2f} {b / a:>6.2f}")
 
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
@@ -184,10 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
     ap.add_argument("--profile-rows", default="1,5", help="chain rows per profiled forward, comma-separated")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="with --profile: time each forward with the row-invariant and the plain kernels instead")
     ap.add_argument("--quantization", default=None, help="for --profile: gguf (default for a Q4 file) or none")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
+    if args.profile and args.compare_kernels:
+        compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
+                        args.profile_steps, args.repeats)
+        return 0
     if args.profile:
         rows = print_profile(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
                              args.profile_steps, args.bandwidth_gbs)
