@@ -138,7 +138,7 @@ def _prompted_runner(path: str, quantization: str | None) -> tuple[torch.nn.Modu
     table = list(range(1, 33))
     tok = load_tokenizer(path)
     if tok is None:  # a draft without a tokenizer of its own: any 40 ids
-        prompt = list(range(100, 140))
+        prompt = [i % cfg.vocab_size for i in range(100, 140)]
     elif tok.chat_template:
         prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          tokenize=True, return_dict=False)
