@@ -19,5 +19,6 @@ def test_profile_attributes_the_forward_to_its_kernels(tmp_path, quantization: s
     assert (one["rows"], five["rows"]) == (1, 5)
     for r in (one, five):
         c = r["classes_ms"]
-        assert c[matmuls] > 0 and c["output head (gemv per row)"] > 0 and c["attention (SDPA)"] > 0, c
+        # (a head this small goes through the fixed-shape chunks, "float matmuls": KernelConfig.head_gemv_bytes)
+        assert c[matmuls] > 0 and c["float matmuls"] > 0 and c["attention (SDPA)"] > 0, c
         assert sum(c.values()) >= r["wall_ms"] * 0.999  # "outside torch ops" closes the sum

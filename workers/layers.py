@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import TPGroup
-from workers.kernels.row_linear import row_invariant_linear
+from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
+from workers.kernels.row_linear import KernelConfig, row_invariant_linear
 
 
 class TensorSlice(Protocol):
@@ -216,14 +217,16 @@ class RowParallelLinear(nn.Module):
         _copy_into(param.data, read_narrow(src, dim, start, n), "row-parallel weight")
 
 
-def make_row_invariant(model: nn.Module) -> None:
+def make_row_invariant(model: nn.Module, config: KernelConfig = DEFAULT_KERNELS) -> None:
     """Give every row of ``model``'s forwards the same bits whatever shares its batch (workers/kernels/): its
-    float linear layers chunk their BLAS calls, and ``model.row_invariant`` asks for the per-row head and
-    attention."""
+    float linear layers chunk their BLAS calls, and ``model.row_invariant`` asks for the row-invariant head and
+    per-row attention."""
     model.row_invariant = True
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.row_invariant = True
+        elif isinstance(m, ParallelLMHead):
+            m.head_gemv = m.weight.numel() * m.weight.element_size() > config.head_gemv_bytes
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -263,16 +266,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding (so a tied head can share its weight)."""
 
+    # Row-invariant logits as one gemv per row (big, memory-bound heads) or through fixed-shape chunks
+    # (``make_row_invariant`` picks by size: ``KernelConfig.head_gemv_bytes``).
+    head_gemv = True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use ParallelLMHead.logits(hidden)")
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """[N, E] -> [N, V] float32 over the full vocabulary (gathered from every rank); ``row_invariant``: a
-        row's logits bit-identical whatever the other rows (a gemv per row, workers/row_invariant.py)."""
-        if row_invariant:
+        row's logits bit-identical whatever the other rows (a gemv per row, workers/row_invariant.py, or
+        fixed-shape chunks, workers/kernels/row_linear.py: ``head_gemv``)."""
+        if row_invariant and self.head_gemv:
             from workers.row_invariant import row_invariant_logits
 
             local = row_invariant_logits(hidden, self.weight)  # [N, ceil(V / tp)]
+        elif row_invariant:
+            local = row_invariant_linear(hidden, self.weight)  # [N, ceil(V / tp)]
         else:
             local = linear(hidden, self.weight)  # [N, ceil(V / tp)]
         if self.tp.size == 1:

@@ -12,7 +12,8 @@ Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_
   fixed kernel and blocking, so each output element is summed in one order whatever the other rows hold (MKL's
   float32 ``F.linear`` otherwise has three regimes, M = 1, 2-15, 16+, about 1e-5 apart on a 576-wide row).
 - packed int4 (workers/quantized_linear.py): torch's kernel already sums each row alone.
-- the output head (workers/row_invariant.py): one gemv per row over fixed weight slices.
+- the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
+  memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).
 - attention (workers/row_invariant.py ``RowAttention``): one SDPA call per query row over exactly its visible keys
   in position order, which is the call a one-row decode step makes.
 - embedding, RMSNorm, RoPE, SiLU, residual adds, softmax and sampling: elementwise or per-row reductions.

@@ -23,10 +23,15 @@ class KernelConfig:
     # Rows per BLAS call (float32 / bfloat16 linear layers). Larger: more rows share one read of the weight, a
     # one-row decode step pays more padded compute. 8 measured as a 1.5-3.5x one-row GEMM and ~1x for 2-8 rows.
     gemm_rows: int = 8
+    # Output heads above this size are one gemv per row over cache-sized slices instead (workers/row_invariant.py):
+    # a big head is memory-bound, so padded chunks cost ~2x a gemv at one row; a small one is compute-bound, so
+    # chunks are far cheaper than a gemv per row at batch (measured 4x on the built-in 4096 x 320 head, 32 rows).
+    head_gemv_bytes: int = 32 * 2**20
 
     def __post_init__(self) -> None:
-        if self.gemm_rows < 1:
-            raise ValueError(f"gemm_rows must be >= 1, got {self.gemm_rows}")
+        if self.gemm_rows < 1 or self.head_gemv_bytes < 0:
+            raise ValueError(f"gemm_rows must be >= 1 and head_gemv_bytes >= 0, got {self.gemm_rows}, "
+                             f"{self.head_gemv_bytes}")
 
 
 DEFAULT = KernelConfig()
@@ -36,6 +41,8 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          config: KernelConfig = DEFAULT) -> torch.Tensor:
     """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N] in x's dtype, BLAS called on [rows, K] chunks only."""
     t, k = x.shape
+    if t == 0:
+        return x.new_empty(0, weight.shape[0])  # [0, N]
     rows = config.gemm_rows
     chunks = -(-t // rows)
     padded = x.new_zeros(chunks * rows, k)  # [C * rows, K]: fresh, so aligned like every other call's operand
