@@ -11,6 +11,18 @@ process is printed: with one thread and the engine in-process, it is what an idl
 from memory-bandwidth contention), which makes runs on a busy machine comparable. Also printed: the weight
 bytes one decode step reads, and the time per step a memory bandwidth of ``--bandwidth-gbs`` would need for
 them (the floor a memory-bound batch-1 step cannot beat).
+
+``--profile``: instead, one model forward at a time under ``torch.profiler`` (the 4-bit target by default): a
+one-row decode step and a 5-row chain verify (``--profile-rows``) after a prompt, the time of each op class
+per forward against the weight-bytes floor (docs/performance.md, "Verify cost")::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --target smollm2 --profile-rows 1,5
+
+``--profile --compare-kernels``: the wall time of those forwards with the row-invariant kernels and with the plain
+ones, alternating (any model: a GGUF file or a checkpoint directory)::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
+        --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -98,6 +111,116 @@ def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tupl
     return run, os.path.getsize(path)
 
 
+# torch op -> what it is, for the profile's classes (anything else: "elementwise, norms, RoPE")
+OP_CLASSES = {
+    "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
+    "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
+    "aten::mm": "float matmuls", "aten::addmm": "float matmuls",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "aten::copy_": "copies, casts, gathers", "aten::index_select": "copies, casts, gathers",
+    "aten::cat": "copies, casts, gathers", "aten::index_copy_": "copies, casts, gathers",
+    "aten::zeros": "copies, casts, gathers", "aten::empty": "allocation", "aten::empty_strided": "allocation",
+}
+
+
+def _prompted_runner(path: str, quantization: str | None) -> tuple[torch.nn.Module, Any, list[int], list[int]]:
+    """(model, runner with PROMPT prefilled, its block table, PROMPT's ids)."""
+    from workers.gguf_metadata import is_gguf
+    from workers.input_batch import SeqForward
+    from workers.loader import checkpoint_dtype, load_model, load_tokenizer
+    from workers.model_runner import ModelRunner
+    from workers.worker_base import auto_dtype
+
+    dtype = None if is_gguf(path) else auto_dtype(checkpoint_dtype(path), torch.device("cpu"))  # as the engine
+    model = load_model(path, dtype=dtype, quantization=quantization)
+    cfg = model.config
+    runner = ModelRunner(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 33, 16, cfg.dtype, "cpu")
+    table = list(range(1, 33))
+    tok = load_tokenizer(path)
+    if tok is None:  # a draft without a tokenizer of its own: any 40 ids
+        prompt = [i % cfg.vocab_size for i in range(100, 140)]
+    elif tok.chat_template:
+        prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+    else:
+        prompt = tok.encode(PROMPT)
+    runner.forward([SeqForward(table, 0, list(range(-1, len(prompt) - 1)), prompt)])
+    return model, runner, table, prompt
+
+
+def _chain(table: list[int], base: int, rows: int) -> list[Any]:
+    from workers.input_batch import SeqForward
+
+    return [SeqForward(table, base, list(range(-1, rows - 1)), [17 + i for i in range(rows)],
+                       logit_nodes=list(range(rows)))]
+
+
+def _median_ms(runner: Any, seqs: list[Any], steps: int) -> float:
+    import statistics
+
+    walls = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        runner.forward(seqs)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls[2:]) * 1e3
+
+
+def profile_forwards(path: str, quantization: str | None, rows_list: list[int], steps: int) -> list[dict]:
+    """Per forward of ``rows`` chain rows after the prompt: wall ms (unprofiled, median) and self ms per op
+    class (profiled); "outside torch ops" is the wall time the ops' self times do not account for (Python,
+    dispatch, the profiler's own share excluded)."""
+    _, runner, table, prompt = _prompted_runner(path, quantization)
+    out = []
+    for rows in rows_list:
+        seqs = _chain(table, len(prompt), rows)
+        wall_ms = _median_ms(runner, seqs, steps)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                runner.forward(seqs)
+        classes: dict[str, float] = {}
+        for ev in prof.key_averages():
+            name = OP_CLASSES.get(ev.key, "elementwise, norms, RoPE")
+            classes[name] = classes.get(name, 0.0) + ev.self_cpu_time_total / 1e3 / steps
+        classes["outside torch ops"] = max(0.0, wall_ms - sum(classes.values()))
+        out.append({"rows": rows, "wall_ms": wall_ms, "classes_ms": classes})
+    return out
+
+
+def compare_kernels(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int) -> None:
+    """Wall ms per forward with the row-invariant kernels and with the plain ones (F.linear, batched SDPA, GEMM
+    head), alternating ``repeats`` times in this process; medians."""
+    import statistics
+
+    model, runner, table, prompt = _prompted_runner(path, quantization)
+    flagged = [m for m in model.modules() if hasattr(m, "row_invariant")]  # the model and its float linears
+    walls: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(repeats):
+        for on in (False, True):
+            for m in flagged:
+                m.row_invariant = on
+            for rows in rows_list:
+                walls.setdefault((rows, on), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps))
+    print(f"ms per forward after a {len(prompt)}-token prompt, medians of {repeats} alternating runs")
+    print(f"{'rows':>5} {'plain':>8} {'row-invariant':>14} {'ratio':>6}")
+    for rows in rows_list:
+        a, b = (statistics.median(walls[(rows, on)]) for on in (False, True))
+        print(f"{rows:>5} {a:>8.2f} {b:>14.2f} {b / a:>6.2f}")
+
+
+def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
+    results = profile_forwards(path, quantization, rows_list, steps)
+    floor_ms = gguf_weight_bytes(path, quantization != "none") / (gbs * 1e9) * 1e3 if path.endswith(".gguf") else 0
+    names = sorted({k for r in results for k in r["classes_ms"]}, key=lambda k: -results[0]["classes_ms"].get(k, 0))
+    print(f"ms per forward (median of {steps}; classes: profiled self time); weight-bytes floor {floor_ms:.2f} ms "
+          f"at {gbs:g} GB/s")
+    print(f"{'':<30}" + "".join(f"{str(r['rows']) + ' row(s)':>12}" for r in results))
+    print(f"{'wall':<30}" + "".join(f"{r['wall_ms']:>12.2f}" for r in results))
+    for name in names:
+        print(f"{name:<30}" + "".join(f"{r['classes_ms'].get(name, 0.0):>12.2f}" for r in results))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gguf_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2", help="a *.gguf file or a short name (default: smollm2)")
@@ -110,9 +233,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
+    ap.add_argument("--profile-rows", default="1,5", help="chain rows per profiled forward, comma-separated")
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="with --profile: time each forward with the row-invariant and the plain kernels instead")
+    ap.add_argument("--quantization", default=None, help="for --profile: gguf (default for a Q4 file) or none")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
+    if args.profile and args.compare_kernels:
+        compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
+                        args.profile_steps, args.repeats)
+        return 0
+    if args.profile:
+        rows = print_profile(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
+                             args.profile_steps, args.bandwidth_gbs)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "profile": rows}, f, indent=1)
+        return 0
     from workers.loader import load_tokenizer
 
     tok = load_tokenizer(path)

@@ -1,4 +1,5 @@
-"""A quantized model's row gets the same bits whatever else is in the forward (workers/row_invariant.py).
+"""A model's row gets the same bits whatever else is in the forward (workers/kernels/, workers/row_invariant.py):
+the packed 4-bit path and the float32 / bfloat16 paths, target and draft.
 
 Bitwise, not approximately: a one-row decode step alone vs inside 2..17-row batches, a chain and a tree
 verification pass vs the one-row decode steps along each node's path, on a tiny random Q4_1 GGUF and on the
@@ -21,8 +22,9 @@ from tests.helpers_gguf import hf_to_gguf, smollm2_path
 from tests.helpers_models import make_tiny_checkpoint
 from workers.attention import PagedContext
 from workers.input_batch import SeqForward, build_batch
+from workers.kernels.row_linear import row_invariant_linear
 from workers.kv_cache import KVCache
-from workers.layers import ParallelLMHead
+from workers.layers import ParallelLMHead, linear
 from workers.loader import load_model, load_tokenizer
 from workers.quantized_linear import Int4Linear, decode_q4_blocks
 
@@ -51,11 +53,41 @@ def test_quantized_linear_and_head_rows_ignore_the_batch() -> None:
         assert torch.equal(head.logits(x[:m], row_invariant=True), alone[:m]), f"head rows differ inside {m} rows"
 
 
+# (out, in) of the float linear layers the engine runs: the built-in target and draft, the SmolLM2 draft.
+FLOAT_SHAPES = [(960, 320), (1728, 320), (320, 864), (480, 160), (160, 432), (1152, 576), (3072, 576), (576, 1536)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_linear_rows_ignore_the_batch_and_their_place(dtype: torch.dtype) -> None:
+    """Every row of an M-row call equals that row alone, for every M a forward makes (1 decode row, K+1 verify
+    rows, batches, prompt chunks), whatever the other rows hold and wherever the row sits (after other rows, in
+    an unaligned view)."""
+    g = torch.Generator().manual_seed(1)
+    for n, k in FLOAT_SHAPES:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(70, k, generator=g).to(dtype)
+        alone = torch.cat([row_invariant_linear(x[i:i + 1], w, b) for i in range(70)])  # [70, N]
+        for m in (2, 3, 5, 8, 9, 16, 17, 64, 70):
+            assert torch.equal(row_invariant_linear(x[:m], w, b), alone[:m]), f"[{n}x{k}] differ inside {m} rows"
+        shifted = torch.cat([torch.randn(3, k, generator=g).to(dtype), x[:20]])[1:]  # starts 1 row into storage
+        assert torch.equal(row_invariant_linear(shifted, w, b)[2:], alone[:20]), f"[{n}x{k}] moved rows differ"
+
+
+def test_plain_float32_linear_is_not_row_invariant() -> None:
+    """Why the chunking: MKL's float32 GEMM sums a row differently at M = 1, 2-15 and 16+."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(960, 320, generator=g), torch.randn(17, 320, generator=g)
+    alone = torch.cat([linear(x[i:i + 1], w) for i in range(17)])
+    assert not all(torch.equal(linear(x[:m], w), alone[:m]) for m in (2, 5, 16, 17))
+
+
 def _invariance_failures(model, seed: int = 0) -> list[str]:
     """Bitwise checks of one model's logits (see the module doc); returns what differed."""
     cfg = model.config
     nseq = 17
-    cache = KVCache(cfg.num_layers, nseq * BLOCKS_PER_SEQ + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    cache = KVCache(cfg.num_layers, nseq * BLOCKS_PER_SEQ + 1, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                    getattr(cfg, "dtype", torch.float32))
     tables = [list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ)) for i in range(nseq)]
     g = torch.Generator().manual_seed(seed)
     vocab = cfg.vocab_size
@@ -132,6 +164,28 @@ def test_tiny_quantized_model_rows_ignore_the_batch(tmp_path) -> None:
     model = load_model(hf_to_gguf(hf, tmp_path / "tiny-q4_1.gguf", "Q4_1"))
     assert model.row_invariant  # set for every quantized model
     assert _invariance_failures(model) == []
+
+
+BUILT_IN = "engine/default_models"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_float_models_rows_ignore_the_batch(name: str, dtype: torch.dtype) -> None:
+    """The built-in target and draft, in float32 (what a CPU runs them in) and bfloat16."""
+    model = load_model(f"{BUILT_IN}/{name}", dtype=dtype)
+    assert model.row_invariant  # every model, not only quantized ones
+    assert _invariance_failures(model) == []
+
+
+def test_float_model_without_the_row_invariant_kernels_fails_these_checks() -> None:
+    """The checks above can fail: the built-in target with plain F.linear, batched SDPA and GEMM head."""
+    model = load_model(f"{BUILT_IN}/target", dtype=torch.float32)
+    model.row_invariant = False
+    for m in model.modules():
+        if hasattr(m, "row_invariant"):
+            m.row_invariant = False
+    assert _invariance_failures(model) != []
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.distributed import TPGroup
+from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
+from workers.kernels.row_linear import KernelConfig, row_invariant_linear
 
 
 class TensorSlice(Protocol):
@@ -74,14 +76,18 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)  # copy_ also converts the checkpoint dtype to the parameter dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for x [T, in], weight [out, in] -> [T, out].
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           row_invariant: bool = False) -> torch.Tensor:
+    """``F.linear`` for x [T, in], weight [out, in] -> [T, out]; ``row_invariant``: a row's result bit-identical
+    whatever the other rows (BLAS on fixed-shape row chunks, workers/kernels/row_linear.py).
 
     It computed (W @ x^T)^T for 2-8 rows on CPU (commit 8a511e3: MKL's small-M GEMM against a transposed weight
     had measured slow). With torch 2.13 here that orientation is the slow one: on the built-in pair's shapes
     2-8 rows took 1.2-5x F.linear's time, and a target verify of 3 tokens 16-20 ms against 10-12 ms
     (benchmarks/results/adaptive-saturation-2026-12-01/README.md). One place to change it again.
     """
+    if row_invariant:
+        return row_invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -101,12 +107,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(self.out_per_rank, in_features, dtype=dtype)  # [out / tp, in]
         self.bias = _param(self.out_per_rank, dtype=dtype) if bias else None
         self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
+        self.row_invariant = False  # a row's output independent of the other rows (``make_row_invariant``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)  # [T, out / tp]
             return y if self.bias is None else y + self.bias
-        return linear(x, self.weight, self.bias)  # [T, out / tp]
+        return linear(x, self.weight, self.bias, self.row_invariant)  # [T, out / tp]
 
     def source_region(self, shard_id: Any = None) -> tuple[int, int, int, int]:
         """Where this rank's part of checkpoint tensor ``shard_id`` comes from and goes: (first row of our
@@ -184,14 +191,15 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, self.in_per_rank, dtype=dtype)  # [out, in / tp]
         self.bias = _param(out_features, dtype=dtype) if bias else None  # added once, after the reduce
         self.quant: nn.Module | None = None  # a weight-only quantized matmul standing in for self.weight
+        self.row_invariant = False  # a row's output independent of the other rows (``make_row_invariant``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)  # [T, out], this rank's partial sum
         elif self.tp.size == 1:
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.row_invariant)
         else:
-            y = linear(x, self.weight)  # [T, out]
+            y = linear(x, self.weight, None, self.row_invariant)  # [T, out]
         if self.tp.size > 1:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -207,6 +215,18 @@ class RowParallelLinear(nn.Module):
             return
         _, dim, start, n = self.source_region(shard_id)
         _copy_into(param.data, read_narrow(src, dim, start, n), "row-parallel weight")
+
+
+def make_row_invariant(model: nn.Module, config: KernelConfig = DEFAULT_KERNELS) -> None:
+    """Give every row of ``model``'s forwards the same bits whatever shares its batch (workers/kernels/): its
+    float linear layers chunk their BLAS calls, and ``model.row_invariant`` asks for the row-invariant head and
+    per-row attention."""
+    model.row_invariant = True
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.row_invariant = True
+        elif isinstance(m, ParallelLMHead):
+            m.head_gemv = m.weight.numel() * m.weight.element_size() > config.head_gemv_bytes
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -246,16 +266,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection sharded like the embedding (so a tied head can share its weight)."""
 
+    # Row-invariant logits as one gemv per row (big, memory-bound heads) or through fixed-shape chunks
+    # (``make_row_invariant`` picks by size: ``KernelConfig.head_gemv_bytes``).
+    head_gemv = True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use ParallelLMHead.logits(hidden)")
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """[N, E] -> [N, V] float32 over the full vocabulary (gathered from every rank); ``row_invariant``: a
-        row's logits bit-identical whatever the other rows (a gemv per row, workers/row_invariant.py)."""
-        if row_invariant:
+        row's logits bit-identical whatever the other rows (a gemv per row, workers/row_invariant.py, or
+        fixed-shape chunks, workers/kernels/row_linear.py: ``head_gemv``)."""
+        if row_invariant and self.head_gemv:
             from workers.row_invariant import row_invariant_logits
 
             local = row_invariant_logits(hidden, self.weight)  # [N, ceil(V / tp)]
+        elif row_invariant:
+            local = row_invariant_linear(hidden, self.weight)  # [N, ceil(V / tp)]
         else:
             local = linear(hidden, self.weight)  # [N, ceil(V / tp)]
         if self.tp.size == 1:

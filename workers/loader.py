@@ -17,6 +17,7 @@ import torch
 from workers import gguf_loader
 from workers.distributed import TPGroup
 from workers.gguf_metadata import is_gguf
+from workers.layers import make_row_invariant
 from workers.model_config import ModelConfig, parse_dtype
 from workers.models.llama import LlamaForCausalLM
 from workers.models.registry import model_class_for
@@ -79,6 +80,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     cls = model_class_for(config)
     with torch.device(device):
         model = cls(config, tp or TPGroup.single())
+    make_row_invariant(model)  # every path: a row's logits never depend on its batch (workers/kernels/)
     if not gguf:
         model.load_weights(iter_weights(path))
         return model.eval()
@@ -87,7 +89,6 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
         from workers.quantized_linear import quantize_linears
 
         weights, model.quant_report = quantize_linears(model, weights)
-        model.row_invariant = True  # bfloat16 activations: see workers/row_invariant.py
     model.load_weights(weights)
     return model.eval()
 

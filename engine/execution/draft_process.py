@@ -4,8 +4,9 @@ forwards pinned to the target's core(s).
 Why: in ``LocalExecutor`` the draft is a thread beside the target, and the two compete for the same cores (and the
 interpreter lock): issue 18 measured verification 1.6-2.3x slower while a pre-draft runs beside it. Here each role
 has its cores (``os.sched_setaffinity``) and as many torch threads as cores, so they do not oversubscribe. A
-target call with no draft call in flight (a sequential step, engine/drafting/pipeline_switch.py; a prefill) runs on both
-roles' cores: the draft is idle then.
+target call with no draft call in flight (a sequential step, engine/drafting/pipeline_switch.py; a prefill) may run on
+both roles' cores (the draft is idle then), with the same number of torch threads as always (seeded tokens must not
+depend on which phase a step ran in).
 
 The child is a plain ``python -m engine.execution.draft_process``, hosting the same ``WorkerProcess``
 the Ray executor puts in an actor (worker_actor.py), without Ray: the hot path is the same signed msgpack
@@ -192,16 +193,20 @@ class DraftProcessExecutor:
         # With more than one target core, torch's pool threads keep the mask they were started with.
         # No draft call in flight (a sequential step, pipeline_switch.py): the draft process waits on its
         # socket, so the target may use its cores too — each phase then has every core, like a sequential engine.
+        # The thread count stays len(target_cores) whatever the phase: kernels may sum in another order with
+        # another thread count (float32 SDPA does past ~200 keys), and which phase a step runs in depends on the
+        # load, so a seeded request's tokens would too (tests/test_seed_under_load.py).
         cores = self._tcores if self._in_flight or self._dcores is None else self._tcores | set(self._dcores)
         saved = (os.sched_getaffinity(0), torch.get_num_threads())
+        threads = len(self._tcores)
         os.sched_setaffinity(0, cores)
-        if saved[1] != len(cores):
-            torch.set_num_threads(len(cores))
+        if saved[1] != threads:
+            torch.set_num_threads(threads)
         try:
             return self.target.step(msg)
         finally:
             os.sched_setaffinity(0, saved[0])
-            if saved[1] != len(cores):
+            if saved[1] != threads:
                 torch.set_num_threads(saved[1])
 
     def describe(self) -> dict[str, Any]:

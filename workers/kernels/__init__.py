@@ -1,0 +1,36 @@
+"""Row-invariant kernels: a row's numbers do not depend on which other rows share the forward.
+
+Why: greedy with speculation must equal greedy without, and a seeded request must give the same text whatever
+else is batched with it. A verify scores K+1 (or tree-size) rows of a request where a decode step scores one, a
+decode step at batch 16 has 16 rows where a lone request has one, and a prompt chunk may share its forward with
+other requests' rows. Float sums are not associative, so a kernel whose summation order depends on the number of
+rows (M), on a row's position among them or on key padding gives a row different bits in different batches.
+
+Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_invariance.py):
+- float32 / bfloat16 linear layers (``row_linear.row_invariant_linear``): BLAS is called with one fixed shape,
+  [GEMM_ROWS, K] x [K, N], the last chunk zero-padded, on a fresh aligned copy of the rows. A fixed shape means a
+  fixed kernel and blocking, so each output element is summed in one order whatever the other rows hold (MKL's
+  float32 ``F.linear`` otherwise has three regimes, M = 1, 2-15, 16+, about 1e-5 apart on a 576-wide row).
+- packed int4 (workers/quantized_linear.py): torch's kernel already sums each row alone.
+- the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
+  memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).
+- attention (workers/row_invariant.py ``RowAttention``): one SDPA call per query row over exactly its visible keys
+  in position order, which is the call a one-row decode step makes.
+- embedding, RMSNorm, RoPE, SiLU, residual adds, softmax and sampling: elementwise or per-row reductions.
+- tensor parallelism: the all-reduce adds the ranks' partial rows elementwise; with 2 ranks the sum is
+  commutative, so exact; with more, the collective's order per element must not depend on the tensor's size
+  (gloo's ring splits by size: not guaranteed beyond 2 ranks).
+
+The thread count: the fixed-shape calls gave the same bits at 1 and 2 threads on the shipped shapes, but BLAS
+may split a shape differently with other thread counts, so the same request on a machine with other core counts
+may differ; within a run each role keeps its thread count.
+
+GPU (written, not verified here: no GPU on the test machine). The same fixed-shape chunking holds for cuBLAS as
+long as one algorithm serves every call of a shape (no split-K chosen by heuristics for small M, no
+``CUBLAS_WORKSPACE_CONFIG``-dependent reduction order: set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` and
+``torch.use_deterministic_algorithms(True)``). SDPA on CUDA (flash / memory-efficient) splits keys by the
+number of queries and sequences, so a per-row call there is invariant but slow; vLLM's batch-invariant mode
+instead uses kernels with a fixed split size along K and along the keys (FlexAttention / Triton). Until such
+kernels are wired here, seeded reproducibility on a GPU is "same batch, same bits", as vLLM documents for its
+default mode.
+"""
