@@ -22,7 +22,7 @@ from tests.helpers_gguf import hf_to_gguf, smollm2_path
 from tests.helpers_models import make_tiny_checkpoint
 from workers.attention import PagedContext
 from workers.input_batch import SeqForward, build_batch
-from workers.kernels.row_linear import row_invariant_linear
+from workers.kernels.row_linear import KernelConfig, row_invariant_linear
 from workers.kv_cache import KVCache
 from workers.layers import ParallelLMHead, linear
 from workers.loader import load_model, load_tokenizer
@@ -72,6 +72,22 @@ def test_float_linear_rows_ignore_the_batch_and_their_place(dtype: torch.dtype) 
             assert torch.equal(row_invariant_linear(x[:m], w, b), alone[:m]), f"[{n}x{k}] differ inside {m} rows"
         shifted = torch.cat([torch.randn(3, k, generator=g).to(dtype), x[:20]])[1:]  # starts 1 row into storage
         assert torch.equal(row_invariant_linear(shifted, w, b)[2:], alone[:20]), f"[{n}x{k}] moved rows differ"
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_float32_linear_both_backends_row_invariant_and_follow_a_reloaded_weight(onednn: bool) -> None:
+    """The oneDNN path (a packed copy of the weight) and the MKL path both keep rows invariant, agree with
+    ``F.linear`` to rounding, and a weight written in place afterwards (a reload) is used, not the stale copy."""
+    cfg = KernelConfig(onednn=onednn)
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(576, 1536, generator=g), torch.randn(11, 1536, generator=g)
+    alone = torch.cat([row_invariant_linear(x[i:i + 1], w, None, cfg) for i in range(11)])  # [11, 576]
+    assert torch.equal(row_invariant_linear(x, w, None, cfg), alone)
+    torch.testing.assert_close(alone, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        w.copy_(torch.randn(576, 1536, generator=g))  # same storage, new values: what loading a checkpoint does
+    torch.testing.assert_close(row_invariant_linear(x, w, None, cfg), torch.nn.functional.linear(x, w),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_plain_float32_linear_is_not_row_invariant() -> None:
