@@ -90,6 +90,16 @@ def test_float32_linear_both_backends_row_invariant_and_follow_a_reloaded_weight
                                rtol=1e-4, atol=1e-4)
 
 
+def test_big_float32_head_rows_ignore_the_batch() -> None:
+    """SmolLM2's 49,152 x 576 float32 head, through the chunks (oneDNN) where that is the path: a row's logits
+    alone equal the same row inside a verify or a batch."""
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(49152, 576, generator=g), torch.randn(9, 576, generator=g)
+    alone = torch.cat([row_invariant_linear(x[i:i + 1], w) for i in range(9)])  # [9, V]
+    for m in (2, 5, 9):
+        assert torch.equal(row_invariant_linear(x[:m], w), alone[:m]), f"head rows differ inside {m} rows"
+
+
 def test_plain_float32_linear_is_not_row_invariant() -> None:
     """Why the chunking: MKL's float32 GEMM sums a row differently at M = 1, 2-15 and 16+."""
     g = torch.Generator().manual_seed(2)

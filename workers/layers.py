@@ -32,7 +32,7 @@ from torch import nn
 
 from workers.distributed import TPGroup
 from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
-from workers.kernels.row_linear import KernelConfig, row_invariant_linear
+from workers.kernels.row_linear import KernelConfig, onednn_chunks, row_invariant_linear
 
 
 class TensorSlice(Protocol):
@@ -226,7 +226,9 @@ def make_row_invariant(model: nn.Module, config: KernelConfig = DEFAULT_KERNELS)
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             m.row_invariant = True
         elif isinstance(m, ParallelLMHead):
-            m.head_gemv = m.weight.numel() * m.weight.element_size() > config.head_gemv_bytes
+            # oneDNN's chunk reads a big head once for all its rows (as fast as one gemv at one row): chunks
+            big = m.weight.numel() * m.weight.element_size() > config.head_gemv_bytes
+            m.head_gemv = big and not onednn_chunks(m.weight, config)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -28,9 +28,11 @@ class KernelConfig:
     # Rows per BLAS call (float32 / bfloat16 linear layers). Larger: more rows share one read of the weight, a
     # one-row decode step pays more padded compute. 8 measured as a 1.5-3.5x one-row GEMM and ~1x for 2-8 rows.
     gemm_rows: int = 8
-    # Output heads above this size are one gemv per row over cache-sized slices instead (workers/row_invariant.py):
-    # a big head is memory-bound, so padded chunks cost ~2x a gemv at one row; a small one is compute-bound, so
-    # chunks are far cheaper than a gemv per row at batch (measured 4x on the built-in 4096 x 320 head, 32 rows).
+    # Without oneDNN, output heads above this size are one gemv per row over cache-sized slices instead
+    # (workers/row_invariant.py): a big head is memory-bound, so MKL's padded chunks cost ~2x a gemv at one row; a
+    # small one is compute-bound, so chunks are far cheaper than a gemv per row at batch (measured 4x on the
+    # built-in 4096 x 320 head, 32 rows). oneDNN's chunks cost one gemv at one row (SmolLM2's 49,152 x 576 head:
+    # 10.0 ms vs 10.6, and 10.1 ms for 5 rows vs 50 as gemvs), so with oneDNN every head takes chunks.
     head_gemv_bytes: int = 32 * 2**20
     # float32 on CPU through oneDNN's linear on a weight packed for ``gemm_rows`` rows: faster chunks, at the
     # price of a packed copy of every float32 weight (the parameter itself is kept for loading and TP slicing).
@@ -55,7 +57,7 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     chunks = -(-t // rows)
     padded = x.new_zeros(chunks * rows, k)  # [C * rows, K]: fresh, so aligned like every other call's operand
     padded[:t] = x
-    mm = _packed_mm(weight, rows) if config.onednn and _onednn_ok(x, weight) else None
+    mm = _packed_mm(weight, rows) if onednn_chunks(weight, config) and _onednn_ok(x, weight) else None
     if mm is not None:
         out = torch.cat([mm(padded[c * rows:(c + 1) * rows]) for c in range(chunks)])[:t]  # [T, N]
         return out if bias is None else out + bias
@@ -69,8 +71,15 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out if bias is None else out + bias
 
 
+def onednn_chunks(weight: torch.Tensor, config: KernelConfig = DEFAULT) -> bool:
+    """Whether ``row_invariant_linear`` runs ``weight``'s chunks through oneDNN (float32 on a CPU with oneDNN)."""
+    return (config.onednn and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
 def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """The input matches (float32 on the CPU) and no gradient is asked for (oneDNN's op has none)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
