@@ -19,7 +19,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user d
 # best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
-SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
+SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle")  # "draft": an alias kept for older vLLM configs
+EAGLE_METHODS = ("eagle3", "eagle")  # a head fed the target's hidden states (engine/drafting/eagle.py)
 
 
 # Short names of other built-in targets (same tokenizer as the built-in draft, which is their default draft).
@@ -95,6 +96,9 @@ class SpeculativeConfig:
       default true);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
+    - ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head (vLLM's layout; default on a packaged target: its
+      shipped head); ``num_draft_tokens``: EAGLE-2 dynamic trees of that many nodes (depth K, ``eagle_topk``
+      children per expanded node, one-hot q); unset: chains of K. Not with pipelining or a draft process.
     """
 
     model: str
@@ -115,6 +119,8 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 10.0  # start-up profiling of the adaptive policy's costs (core/policy_warmup.py)
     adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (core/policy_warmup.py)
+    num_draft_tokens: int | None = None  # EAGLE-2 dynamic tree node budget (None: chains / tree_branching)
+    eagle_topk: int = 4  # dynamic trees: children per expanded node and nodes expanded per depth
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -171,10 +177,43 @@ class SpeculativeConfig:
             if self.adaptive:
                 raise ValueError("speculative_config.num_speculative_tokens_per_batch_size is a fixed schedule: "
                                  "it cannot be combined with adaptive=true")
+        self._check_eagle()
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    def _check_eagle(self) -> None:
+        n, k = self.num_draft_tokens, self.eagle_topk
+        if n is not None and self.method not in EAGLE_METHODS:
+            raise ValueError("speculative_config.num_draft_tokens is for EAGLE dynamic trees (method eagle3 / eagle)")
+        if self.method not in EAGLE_METHODS:
+            return
+        if self.pipeline:
+            raise ValueError("speculative_config: EAGLE heads cannot pipeline (pre-drafting round r+1 needs the "
+                             "target's hidden states of round r, which do not exist yet); set pipeline=false")
+        if self.draft_process or self.draft_tensor_parallel_size != 1:
+            raise ValueError("speculative_config: an EAGLE head runs beside the target in this process "
+                             "(draft_process=false, draft_tensor_parallel_size=1)")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.eagle_topk must be an integer in [1, 16], got {k!r}")
+        if n is not None:
+            depth = self.num_speculative_tokens
+            if self.tree_branching is not None:
+                raise ValueError("speculative_config: num_draft_tokens (a dynamic tree) and tree_branching (a "
+                                 "fixed one) exclude each other")
+            if isinstance(n, bool) or not isinstance(n, int) or not depth <= n <= self.max_tree_nodes:
+                raise ValueError(f"speculative_config.num_draft_tokens must be an integer in [num_speculative_tokens"
+                                 f" ({depth}), max_tree_nodes ({self.max_tree_nodes})], got {n!r}")
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.method in EAGLE_METHODS
+
+    @property
+    def dynamic_topk(self) -> int:
+        """Children per expanded node of an EAGLE-2 dynamic tree; 0: not a dynamic tree."""
+        return self.eagle_topk if self.is_eagle and self.num_draft_tokens is not None else 0
 
     @property
     def process_options(self) -> dict:
@@ -230,6 +269,11 @@ class SpeculativeConfig:
 
     @property
     def tree_shape(self) -> TreeShape:
+        if self.dynamic_topk:
+            # What is reserved per round: depth K and exactly num_draft_tokens nodes (the worker reads it back as
+            # depth and budget, workers/eagle/draft_worker.py); the tree itself is chosen each round.
+            k = self.num_speculative_tokens
+            return TreeShape((1,) * (k - 1) + (self.num_draft_tokens - k + 1,))
         if self.tree_branching is None:
             return TreeShape.chain(self.num_speculative_tokens)
         return TreeShape(tuple(self.tree_branching))
@@ -245,6 +289,9 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         if "model" not in value:
+            if value.get("method") in EAGLE_METHODS:
+                raise ValueError("speculative_config.model is required for an EAGLE head (its directory), except "
+                                 "on a packaged target that ships one (the built-in target)")
             raise ValueError("speculative_config.model is required (the draft model directory)")
         return cls(**value)
 

@@ -22,6 +22,7 @@ from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
+from engine.drafting.eagle import check_eagle_setup, eagle_worker_config, head_max_len
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -56,8 +57,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
-        if spec is not None:
+        eagle = spec is not None and spec.is_eagle  # a head on the target's features (engine/drafting/eagle.py)
+        if eagle:
+            check_eagle_setup(spec, config.parallel, tcfg)
+        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None and not eagle else None
+        if dcfg is not None:
             check_draft_compatible(config.target, spec.model, tcfg, dcfg)
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
@@ -66,14 +70,16 @@ class LLMEngine:
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
         draft_cfg = None
-        if spec is not None:
+        if eagle:
+            draft_cfg = eagle_worker_config(spec, config.target, tcfg, num_blocks, bs, config.dtype, config.device)
+        elif spec is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
                                      model_config=dcfg.to_dict())
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
+        self.draft_max_len = dcfg.max_model_len if dcfg is not None else head_max_len(spec) if eagle else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
             parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
@@ -91,8 +97,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, BlockManager(num_blocks, bs),
                                    BlockManager(num_blocks, bs) if spec is not None else None, num_nodes,
                                    draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
-                                   policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
-                                   and not spec.pipeline)
+                                   policy=policy, lazy_draft_prefill=eagle or (isinstance(policy, AdaptivePolicy)
+                                                                                and not spec.pipeline))
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time

@@ -1,0 +1,65 @@
+"""EAGLE drafting as the engine sets it up: which head, where it runs, what the target must capture.
+
+The head runs on the draft worker (workers/eagle/draft_worker.py), behind the same ``Drafter`` as a draft model
+(engine/drafting/drafter.py): trees go to the target as ints, their laws over the law channel. What is new
+crosses the other way: the verify pass hands the head the hidden states of the rows it committed
+(workers/eagle/features.py), target rank 0 to the draft directly, never through the controller.
+
+In this version the head runs beside an in-process target (``distributed_executor_backend`` "uni"): the
+features go through a shared ``FeatureStore``. A Ray target (tensor parallelism) would need them on a socket
+like the laws; it is refused with a clear error until that lands.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine.core.config import DEFAULT_MODELS_DIR, ParallelConfig, SpeculativeConfig
+from workers.eagle.head_config import EagleHeadConfig
+from workers.model_config import ModelConfig
+from workers.worker_config import WorkerConfig
+
+# The head shipped for a packaged target (engine/default_models/<dir>, training/eagle.py built it): what
+# ``"method": "eagle3"`` without ``model`` uses there. Keyed by the target's short name ("builtin": the default).
+SHIPPED_HEADS = {"builtin": "target-eagle3", "smollm2": "smollm2-eagle3"}
+
+
+def shipped_head(target_name: str) -> str:
+    """The shipped head directory of a packaged target; ValueError naming what to pass when there is none."""
+    sub = SHIPPED_HEADS.get(target_name)
+    path = DEFAULT_MODELS_DIR / sub if sub else None
+    if path is None or not (path / "config.json").is_file():
+        raise ValueError(f"no EAGLE head is shipped for target {target_name!r}: pass one with "
+                         "speculative_config.model (a head directory in vLLM's EAGLE-3 layout), or train one with "
+                         "python -m training.eagle")
+    return str(path)
+
+
+def check_eagle_setup(spec: SpeculativeConfig, parallel: ParallelConfig, target_config: ModelConfig) -> None:
+    """Refuse what this version cannot run, before any worker is built."""
+    if parallel.resolved_backend != "uni":
+        raise ValueError("speculative_config.method 'eagle3' runs with the in-process executor in this version "
+                         "(tensor_parallel_size 1, distributed_executor_backend 'uni'): the target's hidden states "
+                         "do not travel to a Ray draft actor yet")
+    if target_config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                          "Qwen3ForCausalLM"):
+        raise ValueError(f"EAGLE heads need a Llama-style target, got {target_config.architecture}")
+    head = EagleHeadConfig.from_pretrained(spec.model)
+    if head.vocab_size != target_config.vocab_size or head.target_hidden_size != target_config.hidden_size:
+        raise ValueError(f"speculative_config.model {spec.model!r}: a head for a target of vocab {head.vocab_size} "
+                         f"and hidden size {head.target_hidden_size}; this target has {target_config.vocab_size} "
+                         f"and {target_config.hidden_size}")
+
+
+def eagle_worker_config(spec: SpeculativeConfig, target: str, target_config: ModelConfig, num_blocks: int,
+                        block_size: int, dtype: str | None, device: str) -> WorkerConfig:
+    """The draft worker's config for a head: the head directory, plus the target it reads its embedding from."""
+    return WorkerConfig(os.fspath(spec.model), num_blocks, block_size, dtype, device,
+                        tree_sampling=spec.tree_sampling, target_vocab_size=target_config.vocab_size,
+                        eagle_target=target, eagle_target_config=target_config.to_dict(),
+                        eagle_topk=spec.dynamic_topk)
+
+
+def head_max_len(spec: SpeculativeConfig) -> int:
+    """Where the head stops drafting for a sequence (its trained context, like a draft model's)."""
+    return EagleHeadConfig.from_pretrained(spec.model).max_model_len
