@@ -112,3 +112,22 @@ def test_refusals_say_what_to_change(llama, heads) -> None:
         SpeculativeConfig.parse({"method": "draft_model", "model": heads["full"], "num_draft_tokens": 8})
     with pytest.raises(ValueError, match="in-process executor"):
         LLM(llama.target, eagle(heads["full"], 3), distributed_executor_backend="ray")
+
+
+# ------------------------------------------------------------------------------------------ the real SmolLM2
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["gguf", "none"])
+def test_smollm2_greedy_equals_no_speculation(tmp_path, quantization: str) -> None:
+    """SmolLM2-135M (4-bit, and dequantized to float32) with a random EAGLE-3 head over a trimmed vocabulary (its
+    embedding read from the GGUF file): exactly its own no-speculation output, chains and dynamic trees."""
+    from tests.helpers_gguf import smollm2_path
+
+    smol = smollm2_path()
+    tcfg = ModelConfig.from_pretrained(smol)
+    head = random_head(tmp_path / "head", tcfg, seed=2, draft_ids=list(range(0, tcfg.vocab_size, 7)))
+    prompts = [[1, 504, 3458, 282, 4053, 30], [1, 17, 3958, 314, 253]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = LLM(smol, "none", quantization=quantization).generate(prompts, params)
+    for keys in ({}, {"num_draft_tokens": 6, "eagle_topk": 2}):
+        llm = LLM(smol, eagle(head, 3, **keys), quantization=quantization)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]

@@ -191,7 +191,57 @@ def jsonl_sequences(work: str) -> list[list[int]]:
     return [r["prompt_ids"] + r["answer_ids"] for r in rows]
 
 
+def heldout_acceptance(target: str, head: str, prompts: list, k: int = 4, max_tokens: int = 64,
+                       nodes: int = 8) -> dict:
+    """Mean acceptance length (bonus included) of the head at a fixed K, greedy, on held-out prompts: a chain,
+    and a dynamic tree of ``nodes`` nodes; with the engine, as a user runs it."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = {}
+    for name, extra in (("chain", {}), (f"tree{nodes}", {"num_draft_tokens": nodes})):
+        llm = LLM(target, {"method": "eagle3", "model": head, "num_speculative_tokens": k, "adaptive": False,
+                           **extra}, max_num_seqs=8)
+        llm.generate(prompts, params)
+        out[f"mean_acceptance_length_k{k}_{name}"] = round(llm.engine.stats.mean_acceptance_length, 3)
+        llm.shutdown()
+    return out
+
+
+CARD = """# EAGLE-3 head for {target_name}
+
+A one-layer EAGLE-3 head (published layout: vLLM / SGLang load it as is) for `{target}`. Use it with
+`--speculative-config '{{"method": "eagle3", "num_speculative_tokens": 4}}'` (the shipped head is the default
+of `"method": "eagle3"` on this target) or `"model": "<this directory>"`.
+
+- **Features**: the target's hidden states at the input of layers {aux} (fused by `fc`), plus the token's embedding
+  (the target's, not stored here).
+- **Data**: {data}
+- **Objective**: KL(target || head) over {ttt} training-time-test steps (weights 0.8^s), training/eagle.py.
+- **Command**: `{command}`
+- **Run**: {steps} steps in {seconds} s on a shared 2-core CPU (1 thread); final loss {loss}, train top-1 agreement
+  {top1}, held-out top-1 agreement {heldout_top1}.
+- **Held-out acceptance** (engine, greedy, K = 4, mean acceptance length incl. the bonus token): {acceptance}.
+"""
+
+
+def write_card(out: str, target_name: str, target: str, stats: dict, acceptance: dict, data: str,
+               command: str) -> None:
+    with open(os.path.join(out, "config.json")) as f:
+        aux = json.load(f).get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    text = CARD.format(target_name=target_name, target=target, aux=aux, data=data, ttt=stats["config"]["ttt_steps"],
+                       command=command, steps=stats["steps"], seconds=stats["train_seconds"],
+                       loss=stats["final_loss"], top1=stats["train_top1"],
+                       heldout_top1=round(stats.get("heldout_top1", float("nan")), 3),
+                       acceptance=", ".join(f"{k} {v}" for k, v in acceptance.items()) or "not measured")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write(text)
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m training.eagle", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="builtin", help="builtin, smollm2, or a checkpoint directory")
     ap.add_argument("--out", required=True)
@@ -223,6 +273,26 @@ def main(argv: list[str] | None = None) -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stats = train_head(target, seqs, a.out, cfg, held)
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}))
+    prompts = heldout_prompts(a.target, a.work)
+    acceptance = {} if a.quick or not prompts else heldout_acceptance(target, a.out, prompts[:16])
+    print(json.dumps(acceptance))
+    data = (f"{a.windows} stdlib windows (training/data.py's train split) and {a.gen} of the target's own "
+            f"continuations of train-split prefixes (half greedy, half T = 0.8)" if a.target == "builtin" else
+            f"the target's own answers in {a.work}/gen.jsonl (training.smollm2_draft gen)")
+    write_card(a.out, a.target, target, stats, acceptance, data, "python -m training.eagle " + " ".join(argv or []))
+
+
+def heldout_prompts(target_name: str, work: str) -> list:
+    """Held-out prompts: the built-in prompt set (held-out files), or SmolLM2's held-out chat prompts."""
+    from engine.core.config import DEFAULT_MODELS_DIR
+
+    path = (DEFAULT_MODELS_DIR / "prompts.jsonl" if target_name == "builtin" else
+            Path(work) / "heldout_prompts.jsonl")
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r.get("prompt_token_ids") or r["prompt"] for r in rows]
 
 
 if __name__ == "__main__":

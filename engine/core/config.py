@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from engine.drafting.eagle_keys import check_eagle_keys
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
@@ -177,42 +178,18 @@ class SpeculativeConfig:
             if self.adaptive:
                 raise ValueError("speculative_config.num_speculative_tokens_per_batch_size is a fixed schedule: "
                                  "it cannot be combined with adaptive=true")
-        self._check_eagle()
+        check_eagle_keys(self, EAGLE_METHODS)
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
-
-    def _check_eagle(self) -> None:
-        n, k = self.num_draft_tokens, self.eagle_topk
-        if n is not None and self.method not in EAGLE_METHODS:
-            raise ValueError("speculative_config.num_draft_tokens is for EAGLE dynamic trees (method eagle3 / eagle)")
-        if self.method not in EAGLE_METHODS:
-            return
-        if self.pipeline:
-            raise ValueError("speculative_config: EAGLE heads cannot pipeline (pre-drafting round r+1 needs the "
-                             "target's hidden states of round r, which do not exist yet); set pipeline=false")
-        if self.draft_process or self.draft_tensor_parallel_size != 1:
-            raise ValueError("speculative_config: an EAGLE head runs beside the target in this process "
-                             "(draft_process=false, draft_tensor_parallel_size=1)")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.eagle_topk must be an integer in [1, 16], got {k!r}")
-        if n is not None:
-            depth = self.num_speculative_tokens
-            if self.tree_branching is not None:
-                raise ValueError("speculative_config: num_draft_tokens (a dynamic tree) and tree_branching (a "
-                                 "fixed one) exclude each other")
-            if isinstance(n, bool) or not isinstance(n, int) or not depth <= n <= self.max_tree_nodes:
-                raise ValueError(f"speculative_config.num_draft_tokens must be an integer in [num_speculative_tokens"
-                                 f" ({depth}), max_tree_nodes ({self.max_tree_nodes})], got {n!r}")
 
     @property
     def is_eagle(self) -> bool:
         return self.method in EAGLE_METHODS
 
     @property
-    def dynamic_topk(self) -> int:
-        """Children per expanded node of an EAGLE-2 dynamic tree; 0: not a dynamic tree."""
+    def dynamic_topk(self) -> int:  # children per expanded node of an EAGLE-2 dynamic tree; 0: not one
         return self.eagle_topk if self.is_eagle and self.num_draft_tokens is not None else 0
 
     @property
@@ -269,9 +246,7 @@ class SpeculativeConfig:
 
     @property
     def tree_shape(self) -> TreeShape:
-        if self.dynamic_topk:
-            # What is reserved per round: depth K and exactly num_draft_tokens nodes (the worker reads it back as
-            # depth and budget, workers/eagle/draft_worker.py); the tree itself is chosen each round.
+        if self.dynamic_topk:  # reserves depth K and num_draft_tokens nodes (workers/eagle/draft_worker.py)
             k = self.num_speculative_tokens
             return TreeShape((1,) * (k - 1) + (self.num_draft_tokens - k + 1,))
         if self.tree_branching is None:

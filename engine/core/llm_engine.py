@@ -57,9 +57,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        eagle = spec is not None and spec.is_eagle  # a head on the target's features (engine/drafting/eagle.py)
-        if eagle:
-            check_eagle_setup(spec, config.parallel, tcfg)
+        eagle = check_eagle_setup(spec, config.parallel, tcfg)  # a head on the target's features
         dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None and not eagle else None
         if dcfg is not None:
             check_draft_compatible(config.target, spec.model, tcfg, dcfg)
@@ -69,10 +67,9 @@ class LLMEngine:
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        draft_cfg = None
-        if eagle:
-            draft_cfg = eagle_worker_config(spec, config.target, tcfg, num_blocks, bs, config.dtype, config.device)
-        elif spec is not None:
+        draft_cfg = eagle_worker_config(spec, config.target, tcfg, num_blocks, bs, config.dtype, config.device) \
+            if eagle else None
+        if spec is not None and not eagle:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,

@@ -35,8 +35,10 @@ def shipped_head(target_name: str) -> str:
     return str(path)
 
 
-def check_eagle_setup(spec: SpeculativeConfig, parallel: ParallelConfig, target_config: ModelConfig) -> None:
-    """Refuse what this version cannot run, before any worker is built."""
+def check_eagle_setup(spec: SpeculativeConfig | None, parallel: ParallelConfig, target_config: ModelConfig) -> bool:
+    """Whether ``spec`` drafts with an EAGLE head; refuses what this version cannot run, before any worker is built."""
+    if spec is None or not spec.is_eagle:
+        return False
     if parallel.resolved_backend != "uni":
         raise ValueError("speculative_config.method 'eagle3' runs with the in-process executor in this version "
                          "(tensor_parallel_size 1, distributed_executor_backend 'uni'): the target's hidden states "
@@ -49,6 +51,7 @@ def check_eagle_setup(spec: SpeculativeConfig, parallel: ParallelConfig, target_
         raise ValueError(f"speculative_config.model {spec.model!r}: a head for a target of vocab {head.vocab_size} "
                          f"and hidden size {head.target_hidden_size}; this target has {target_config.vocab_size} "
                          f"and {target_config.hidden_size}")
+    return True
 
 
 def eagle_worker_config(spec: SpeculativeConfig, target: str, target_config: ModelConfig, num_blocks: int,
