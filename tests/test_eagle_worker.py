@@ -4,13 +4,14 @@ commit the in-flight tokens and feed the accepted ones again (workers/eagle/draf
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from training.eagle import target_pass
 from training.eagle_layout import random_head
 from workers.attention import DenseCausalContext
 from workers.eagle.draft_worker import EagleDraftWorker
-from workers.eagle.features import SeqFeatures
+from workers.eagle.features import FeatureStore, SeqFeatures
 from workers.loader import load_model
 from workers.messages import DraftCommit, DraftSeq, DraftStep, SamplingSpec
 from workers.model_config import ModelConfig
@@ -71,3 +72,19 @@ def test_drafts_match_the_dense_head_across_rounds(llama, tmp_path) -> None:
         assert p < i  # depth order: a parent before its children
         depths[i] = 0 if p < 0 else depths[p] + 1
     assert depths == sorted(depths) and max(depths) <= 2
+
+
+def test_feature_store_follows_the_target() -> None:
+    """Rows arrive in position order; a re-prefill (a preempted sequence recomputed) starts over; only the target's
+    finished ids forget a sequence: a preempted one comes back under its id, maybe before the draft hears of it."""
+    store = FeatureStore()
+    rows = torch.arange(24.0).view(12, 2)  # [positions, F]
+    store.put([SeqFeatures(5, 0, rows[:4])])
+    store.put([SeqFeatures(5, 4, rows[4:7])])
+    assert torch.equal(store.take(5, -1, 6, 2, torch.device("cpu")), torch.cat([torch.zeros(1, 2), rows[:6]]))
+    store.put([SeqFeatures(5, 0, rows[:9] + 100)])  # recomputed from position 0
+    assert torch.equal(store.take(5, 7, 9, 2, torch.device("cpu")), rows[7:9] + 100)
+    with pytest.raises(RuntimeError, match="not here"):
+        store.take(5, 3, 5, 2, torch.device("cpu"))  # drafting never goes back past what it took
+    store.put([], finished=[5])
+    assert len(store) == 0

@@ -12,11 +12,10 @@ id the controller passes along: only the rank that verifies ever holds them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
-from workers.eagle.features import SeqFeatures, committed_rows
+from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
 from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
@@ -47,9 +46,9 @@ class TargetWorker(WorkerBase):
         self.law_store = LawStore(timeout_s=self.config.step_timeout_s)
         # An EAGLE head drafting for this target: where the committed rows' hidden states go (rank 0 only), set
         # with ``feed_eagle`` (workers/eagle/features.py). None: nothing is captured.
-        self.feature_sink: Callable[[list[SeqFeatures]], None] | None = None
+        self.feature_sink: FeatureSink | None = None
 
-    def feed_eagle(self, layers: tuple[int, ...], sink: Callable[[list[SeqFeatures]], None] | None) -> None:
+    def feed_eagle(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
         """Capture ``layers``' hidden states in every forward and hand the committed rows to ``sink``."""
         self.model.model.aux_layers = tuple(layers)
         self.feature_sink = sink
@@ -83,7 +82,7 @@ class TargetWorker(WorkerBase):
                 laws_error = str(e)
                 results = [VerifyResult([], [], 0, False) for _ in msg.seqs]
         if self.feature_sink is not None and self.tp.is_first and laws_error is None:
-            self.feature_sink(self._features(msg, results))
+            self.feature_sink(self._features(msg, results), msg.finished)
         paths = self.tp.broadcast_int_lists([r.accepted_nodes for r in results] if self.tp.is_first else None,
                                             len(msg.seqs), self.device)
         self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])

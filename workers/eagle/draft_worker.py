@@ -81,16 +81,11 @@ class EagleDraftWorker(DraftWorker):
     def _own_ids(self, tokens: list[int]) -> list[int]:
         return tokens  # the head embeds the target's whole vocabulary
 
-    def drop(self, seq_ids: list[int]) -> None:
-        super().drop(seq_ids)
-        self.features.drop(seq_ids)
-
     @torch.inference_mode()
     def step(self, msg: DraftStep) -> DraftStepOutput:
         if msg.prefills:
             raise ValueError("an EAGLE head caches no prompt chunks ahead of the target (it needs their features): "
                              "the engine feeds the prefix with the first round (lazy draft prefill)")
-        self.drop(msg.finished)
         self._feeds = {}
         for s in msg.seqs:
             if s.pred_tokens or s.guesses or s.anchors != [-1]:

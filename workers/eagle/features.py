@@ -12,6 +12,7 @@ floats, 3.8 kB a row; Llama-3-8B: 3 x 4096, 48 kB a row), against a [nodes, voca
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,9 @@ class SeqFeatures:
     seq_id: int
     start: int
     rows: torch.Tensor  # [n, feature_size]
+
+
+FeatureSink = Callable[[list[SeqFeatures], list[int]], None]  # (committed rows, finished sequence ids)
 
 
 def committed_rows(piece_rows: list[int], num_inflight: list[int], accepted: list[list[int] | None]
@@ -47,9 +51,13 @@ class FeatureStore:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_in: int = 0  # every row put, in bytes (what crosses: measured, docs/architecture.md)
 
-    def put(self, feats: list[SeqFeatures]) -> None:
-        """New rows replace any held at or after their start (a re-prefilled sequence starts over)."""
+    def put(self, feats: list[SeqFeatures], finished: list[int] | None = None) -> None:
+        """New rows replace any held at or after their start (a re-prefilled sequence starts over); ``finished``
+        sequences are forgotten. The target says which: it alone knows finished from preempted (a preempted
+        sequence comes back under its id, re-prefilled, perhaps before the draft hears it was preempted)."""
         with self._lock:
+            for s in finished or []:
+                self._rows.pop(s, None)
             for f in feats:
                 self.bytes_in += f.rows.numel() * f.rows.element_size()
                 old = self._rows.get(f.seq_id)
@@ -75,11 +83,6 @@ class FeatureStore:
                 self._rows[seq_id] = SeqFeatures(seq_id, lo, f.rows[lo - f.start:])
         pad = torch.zeros(lo - start, width)
         return torch.cat([pad, rows.to(pad.dtype)]).to(device) if lo > start else rows.to(device)
-
-    def drop(self, seq_ids: list[int]) -> None:
-        with self._lock:
-            for s in seq_ids:
-                self._rows.pop(s, None)
 
     def __len__(self) -> int:
         return len(self._rows)
