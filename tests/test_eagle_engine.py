@@ -110,8 +110,8 @@ def test_refusals_say_what_to_change(llama, heads) -> None:
         SpeculativeConfig.parse(eagle(heads["full"], 4, num_draft_tokens=2))
     with pytest.raises(ValueError, match="eagle3"):
         SpeculativeConfig.parse({"method": "draft_model", "model": heads["full"], "num_draft_tokens": 8})
-    with pytest.raises(ValueError, match="in-process executor"):
-        LLM(llama.target, eagle(heads["full"], 3), distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match="draft_process"):
+        SpeculativeConfig.parse(eagle(heads["full"], 3, draft_process=True))
 
 
 # ------------------------------------------------------------------------------------------ the real SmolLM2

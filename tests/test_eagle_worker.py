@@ -13,7 +13,7 @@ from workers.attention import DenseCausalContext
 from workers.eagle.draft_worker import EagleDraftWorker
 from workers.eagle.features import FeatureStore, SeqFeatures
 from workers.loader import load_model
-from workers.messages import DraftCommit, DraftSeq, DraftStep, SamplingSpec
+from workers.messages import DraftCommit, DraftSeq, DraftStep, PrefillSeq, SamplingSpec
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 
@@ -38,7 +38,7 @@ def dense_chain(head, tokens: list[int], aux: torch.Tensor, k: int) -> list[int]
 def test_drafts_match_the_dense_head_across_rounds(llama, tmp_path) -> None:
     tcfg = ModelConfig.from_pretrained(llama.target)
     path = random_head(tmp_path / "head", tcfg, seed=7)
-    worker = EagleDraftWorker(WorkerConfig(path, 16, 4, eagle_target=llama.target,
+    worker = EagleDraftWorker(WorkerConfig(path, 32, 4, eagle_target=llama.target,
                                            eagle_target_config=tcfg.to_dict()))
     target = load_model(llama.target)
     target.model.aux_layers = worker.aux_layers
@@ -58,8 +58,15 @@ def test_drafts_match_the_dense_head_across_rounds(llama, tmp_path) -> None:
                                 seqs=[DraftSeq(0, table, 8, seq[8:11], GREEDY, [1, 1])]))
     assert out.results[0].trees[0].tokens == dense_chain(worker.head, seq[:11], aux, 2)
 
+    # A replaced draft is sent a sequence's prefix (its features died with the old draft): zeros stand in, and it
+    # drafts again from the next round on.
+    other = list(range(16, 32))
+    worker.step(DraftStep(prefills=[PrefillSeq(1, other, 0, seq[:8])]))
+    out = worker.step(DraftStep(seqs=[DraftSeq(1, other, 8, seq[8:9], GREEDY, [1, 1])]))
+    assert len(out.results[0].trees[0].tokens) == 2
+
     # A dynamic tree below the same prefix: the budget's most probable nodes, the greedy token first.
-    worker.config = WorkerConfig(path, 16, 4, eagle_target=llama.target, eagle_target_config=tcfg.to_dict(),
+    worker.config = WorkerConfig(path, 32, 4, eagle_target=llama.target, eagle_target_config=tcfg.to_dict(),
                                  eagle_topk=2)
     worker.features.put([SeqFeatures(0, 10, aux[10:11])])
     out = worker.step(DraftStep(commits=[DraftCommit(0, 3)],

@@ -57,7 +57,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        eagle = check_eagle_setup(spec, config.parallel, tcfg)  # a head on the target's features
+        eagle = check_eagle_setup(spec, tcfg)  # a head on the target's features
         dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None and not eagle else None
         if dcfg is not None:
             check_draft_compatible(config.target, spec.model, tcfg, dcfg)

@@ -5,16 +5,15 @@ The head runs on the draft worker (workers/eagle/draft_worker.py), behind the sa
 crosses the other way: the verify pass hands the head the hidden states of the rows it committed
 (workers/eagle/features.py), target rank 0 to the draft directly, never through the controller.
 
-In this version the head runs beside an in-process target (``distributed_executor_backend`` "uni"): the
-features go through a shared ``FeatureStore``. A Ray target (tensor parallelism) would need them on a socket
-like the laws; it is refused with a clear error until that lands.
+In-process the target puts them into the head's ``FeatureStore``; on Ray target rank 0 pushes them to draft rank
+0 on a socket of their own (engine/execution/worker_actor.py ``connect_features`` / ``serve_features``).
 """
 
 from __future__ import annotations
 
 import os
 
-from engine.core.config import DEFAULT_MODELS_DIR, ParallelConfig, SpeculativeConfig
+from engine.core.config import DEFAULT_MODELS_DIR, SpeculativeConfig
 from workers.eagle.head_config import EagleHeadConfig
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
@@ -35,14 +34,10 @@ def shipped_head(target_name: str) -> str:
     return str(path)
 
 
-def check_eagle_setup(spec: SpeculativeConfig | None, parallel: ParallelConfig, target_config: ModelConfig) -> bool:
+def check_eagle_setup(spec: SpeculativeConfig | None, target_config: ModelConfig) -> bool:
     """Whether ``spec`` drafts with an EAGLE head; refuses what this version cannot run, before any worker is built."""
     if spec is None or not spec.is_eagle:
         return False
-    if parallel.resolved_backend != "uni":
-        raise ValueError("speculative_config.method 'eagle3' runs with the in-process executor in this version "
-                         "(tensor_parallel_size 1, distributed_executor_backend 'uni'): the target's hidden states "
-                         "do not travel to a Ray draft actor yet")
     if target_config.architecture not in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                           "Qwen3ForCausalLM"):
         raise ValueError(f"EAGLE heads need a Llama-style target, got {target_config.architecture}")
@@ -61,6 +56,12 @@ def eagle_worker_config(spec: SpeculativeConfig, target: str, target_config: Mod
                         tree_sampling=spec.tree_sampling, target_vocab_size=target_config.vocab_size,
                         eagle_target=target, eagle_target_config=target_config.to_dict(),
                         eagle_topk=spec.dynamic_topk)
+
+
+def aux_layers_of(config: WorkerConfig) -> tuple[int, ...]:
+    """The target layers an EAGLE draft worker's head reads (what target rank 0 must capture)."""
+    head = EagleHeadConfig.from_pretrained(config.model)
+    return head.aux_layers(ModelConfig.from_dict(config.eagle_target_config).num_layers)
 
 
 def head_max_len(spec: SpeculativeConfig) -> int:

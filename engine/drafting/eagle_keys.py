@@ -16,8 +16,8 @@ def check_eagle_keys(spec: Any, methods: tuple[str, ...]) -> None:
         raise ValueError("speculative_config: EAGLE heads cannot pipeline (pre-drafting round r+1 needs the "
                          "target's hidden states of round r, which do not exist yet); set pipeline=false")
     if spec.draft_process or spec.draft_tensor_parallel_size != 1:
-        raise ValueError("speculative_config: an EAGLE head runs beside the target in this process "
-                         "(draft_process=false, draft_tensor_parallel_size=1)")
+        raise ValueError("speculative_config: an EAGLE head runs on one draft rank (a thread beside an in-process "
+                         "target, or the Ray draft actor): set draft_process=false, draft_tensor_parallel_size=1")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"speculative_config.eagle_topk must be an integer in [1, 16], got {k!r}")
     if n is not None:

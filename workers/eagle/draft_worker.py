@@ -28,7 +28,7 @@ import torch
 from scheduler.spec_policy import branching_nodes
 from workers.distributed import TPGroup
 from workers.draft_worker import DraftWorker, _Request, _Tree
-from workers.eagle.features import FeatureStore
+from workers.eagle.features import FeatureStore, SeqFeatures
 from workers.eagle.head import load_head
 from workers.input_batch import SeqForward
 from workers.law_channel import DraftLaws
@@ -83,15 +83,20 @@ class EagleDraftWorker(DraftWorker):
 
     @torch.inference_mode()
     def step(self, msg: DraftStep) -> DraftStepOutput:
-        if msg.prefills:
-            raise ValueError("an EAGLE head caches no prompt chunks ahead of the target (it needs their features): "
-                             "the engine feeds the prefix with the first round (lazy draft prefill)")
         self._feeds = {}
+        width = self.head.head_config.feature_size
+        for p in msg.prefills:
+            # Only a replaced draft is sent prefixes (the engine otherwise prefills lazily, with the first round):
+            # their features died with the old draft, so they are fed zeros. The head drafts worse for those
+            # sequences; what is accepted, and so the output, stays the target's.
+            zeros = torch.zeros(len(p.token_ids), width, device=self.device)  # [n, F]
+            self.features.put([SeqFeatures(p.seq_id, p.base_len, zeros.cpu())])
+            self._feeds[id(p.block_table)] = _SeqFeed(self.head.fuse(zeros))
         for s in msg.seqs:
             if s.pred_tokens or s.guesses or s.anchors != [-1]:
                 raise ValueError("EAGLE drafting does not pre-draft (pipelining): it needs the verified features")
-            aux = self.features.take(s.seq_id, s.base_len - 1, s.base_len + len(s.token_ids) - 1,
-                                     self.head.head_config.feature_size, self.device)  # [u, F]
+            aux = self.features.take(s.seq_id, s.base_len - 1, s.base_len + len(s.token_ids) - 1, width,
+                                     self.device)  # [u, F]
             self._feeds[id(s.block_table)] = _SeqFeed(self.head.fuse(aux))
         try:
             return super().step(msg)

@@ -12,6 +12,7 @@ floats, 3.8 kB a row; Llama-3-8B: 3 x 4096, 48 kB a row), against a [nodes, voca
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,8 +48,11 @@ def committed_rows(piece_rows: list[int], num_inflight: list[int], accepted: lis
 class FeatureStore:
     """The draft side: each sequence's feature rows for the positions it has not drafted past yet."""
 
+    # How long a take waits for rows still on the way (Ray: a socket from target rank 0; the draft's step may start
+    # first). In-process the target has put them before the draft's step: nothing to wait for.
+    timeout_s: float = 0.0
     _rows: dict[int, SeqFeatures] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Condition = field(default_factory=threading.Condition)
     bytes_in: int = 0  # every row put, in bytes (what crosses: measured, docs/architecture.md)
 
     def put(self, feats: list[SeqFeatures], finished: list[int] | None = None) -> None:
@@ -66,14 +70,22 @@ class FeatureStore:
                 else:
                     keep = old.rows[: f.start - old.start]
                     self._rows[f.seq_id] = SeqFeatures(f.seq_id, old.start, torch.cat([keep, f.rows]))
+            self._lock.notify_all()
 
     def take(self, seq_id: int, start: int, stop: int, width: int, device: torch.device) -> torch.Tensor:
         """Rows for positions [start, stop) as [stop - start, width] (position -1: zeros, the first token has no
         feature); rows before ``start`` are forgotten (drafting never goes back past its committed tokens)."""
+        lo = max(start, 0)
+
+        def missing(f: SeqFeatures | None) -> bool:
+            return stop > lo and (f is None or lo < f.start or stop > f.start + f.rows.shape[0])
+
+        deadline = time.monotonic() + self.timeout_s
         with self._lock:
+            while missing(self._rows.get(seq_id)) and time.monotonic() < deadline:
+                self._lock.wait(min(deadline - time.monotonic(), 1.0))
             f = self._rows.get(seq_id)
-            lo = max(start, 0)
-            if stop > lo and (f is None or lo < f.start or stop > f.start + f.rows.shape[0]):
+            if missing(f):
                 held = "none" if f is None else f"[{f.start}, {f.start + f.rows.shape[0]})"
                 raise RuntimeError(f"EAGLE features of sequence {seq_id} for positions [{lo}, {stop}) are not here "
                                    f"(held: {held}); the target sends them with every verified round")
