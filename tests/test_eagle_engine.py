@@ -131,3 +131,15 @@ def test_smollm2_greedy_equals_no_speculation(tmp_path, quantization: str) -> No
     for keys in ({}, {"num_draft_tokens": 6, "eagle_topk": 2}):
         llm = LLM(smol, eagle(head, 3, **keys), quantization=quantization)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+def test_builtin_target_uses_its_shipped_head() -> None:
+    """`"method": "eagle3"` without a model on the built-in target: its shipped head, greedy output unchanged,
+    and it accepts (a head trained for this target, engine/default_models/target-eagle3)."""
+    prompts = [[0, 755, 1019, 12, 301], [0, 45, 1290, 33]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(None, "none").generate(prompts, params)]
+    llm = LLM(None, {"method": "eagle3", "num_speculative_tokens": 4, "adaptive": False})
+    assert llm.engine.config.speculative.model.endswith("target-eagle3")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats.mean_acceptance_length > 1.5, llm.engine.stats.as_dict()
