@@ -1,9 +1,10 @@
 """What the EAGLE head's features cost per step: bytes handed from the verify pass to the head, and the time of
 gathering them, beside the step's verify and draft time (docs/architecture.md, "EAGLE heads").
 
-    OMP_NUM_THREADS=1 python -m benchmarks.eagle_features [--head DIR] [--batches 1,8] [--k 4]
+    OMP_NUM_THREADS=1 python -m benchmarks.eagle_features [--target T --head DIR] [--batches 1,8] [--k 4]
 
-Default: the built-in target and its shipped head. The gathering is timed by wrapping the target worker's
+Default: the built-in target and its shipped head; ``--random-head``: a random head for ``--target`` (its cost,
+not its acceptance). The gathering is timed by wrapping the target worker's
 ``_features`` in this process (a probe, not a product path).
 """
 
@@ -23,14 +24,24 @@ def main(argv: list[str] | None = None) -> None:
     from scheduler.sampling_params import SamplingParams
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.eagle_features")
+    ap.add_argument("--target", default=None)
     ap.add_argument("--head", default=None)
+    ap.add_argument("--random-head", default=None, metavar="DIR", help="write a random head (trimmed to 4096 ids) here")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    target = default_model_dirs()[0]
-    head = a.head or shipped_head("builtin")
+    from workers.gguf_loader import resolve_model_path
+
+    target = resolve_model_path(a.target) if a.target else default_model_dirs()[0]
+    head = a.head or (None if a.random_head else shipped_head("builtin"))
+    if a.random_head:
+        from training.eagle_layout import random_head
+        from workers.model_config import ModelConfig
+
+        tcfg = ModelConfig.from_pretrained(target)
+        head = random_head(a.random_head, tcfg, draft_ids=list(range(min(4096, tcfg.vocab_size))))
     with open(DEFAULT_MODELS_DIR / "prompts.jsonl") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     for batch in [int(b) for b in a.batches.split(",")]:

@@ -2,9 +2,10 @@
 
     # the built-in target (a few minutes on one core; what engine/default_models/target-eagle3 was made with)
     OMP_NUM_THREADS=1 python -m training.eagle --target builtin --out engine/default_models/target-eagle3 --minutes 12
-    # SmolLM2 (CPU hours: the lead runs it), after `python -m training.smollm2_draft gen` wrote WORK/gen.jsonl
-    OMP_NUM_THREADS=2 python -m training.eagle --target smollm2 --work runs/smollm2_draft \\
-        --out engine/default_models/smollm2-eagle3 --draft-vocab 8192 --minutes 240 --seq-len 256
+    # SmolLM2 (CPU hours: the lead runs it), after `python -m training.smollm2_draft gen --work runs/smollm2_draft`
+    # wrote the target's answers (WORK/gen.jsonl) and held-out prompts; local text is read as that stage reads it
+    OMP_NUM_THREADS=2 python -m training.eagle --target smollm2 --work runs/smollm2_draft --docs 4000 \\
+        --out engine/default_models/smollm2-eagle3 --draft-vocab 4096 --save-dtype float16 --minutes 240 --seq-len 256
     python -m training.eagle --quick --out /tmp/eagle-quick        # seconds: a smoke run, the weights are useless
 
 Data: sequences of the target's own answers (greedy and T = 0.8; its own continuations of corpus prefixes for the
@@ -114,7 +115,7 @@ def choose_draft_vocab(seqs: list[list[int]], size: int, vocab: int) -> list[int
 
 
 def train_head(target_path: str, seqs: list[list[int]], out: str, cfg: EagleTrainConfig,
-               heldout: list[list[int]] | None = None, log=print) -> dict:
+               heldout: list[list[int]] | None = None, log=print, save_dtype: torch.dtype = torch.float32) -> dict:
     """Train a head on ``seqs`` (token id lists) and write it to ``out``; returns the run's numbers."""
     torch.manual_seed(cfg.seed)
     tcfg = ModelConfig.from_pretrained(target_path)
@@ -153,7 +154,7 @@ def train_head(target_path: str, seqs: list[list[int]], out: str, cfg: EagleTrai
             if len(hb):
                 aux, logits = target_pass(target, hb)
                 _, stats["heldout_top1"] = ttt_loss(head, hb, aux, logits, ids, 1, 1.0)
-    save_head(out, config, head, ids)
+    save_head(out, config, head, ids, save_dtype)
     with open(os.path.join(out, "train_stats.json"), "w") as f:
         json.dump(stats, f, indent=1)
     return stats
@@ -184,10 +185,16 @@ def builtin_sequences(target_path: str, n_windows: int, seq_len: int, n_gen: int
     return text + answers, [held[i: i + seq_len] for i in range(0, len(held) - seq_len, seq_len * 7)][:32]
 
 
-def jsonl_sequences(work: str) -> list[list[int]]:
-    """``WORK/gen.jsonl`` of ``training.smollm2_draft gen``: prompt + the target's answer, per line."""
+def chat_sequences(target: str, work: str, docs: int, seq_len: int) -> list[list[int]]:
+    """The SmolLM2 draft stages' data (training/smollm2_draft.py): the target's own answers (``WORK/gen.jsonl`` of
+    its ``gen`` stage) and, with ``docs`` > 0, local documents as chat turns; prompt + answer per sequence."""
     with open(os.path.join(work, "gen.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    if docs > 0:
+        from training.smollm2_draft import _text_rows
+        from workers.loader import load_tokenizer
+
+        rows += _text_rows(load_tokenizer(target), docs, seq_len, None, Path(work))
     return [r["prompt_ids"] + r["answer_ids"] for r in rows]
 
 
@@ -253,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--windows", type=int, default=600, help="builtin: corpus windows")
     ap.add_argument("--gen", type=int, default=96, help="builtin: continuations the target writes")
+    ap.add_argument("--docs", type=int, default=0, help="chat targets: local documents read as answers")
+    ap.add_argument("--save-dtype", default="float32", help="stored weights (float16 halves a SmolLM2 head)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of seconds (useless weights)")
     a = ap.parse_args(argv)
     cfg = EagleTrainConfig(minutes=a.minutes, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
@@ -269,9 +278,9 @@ def main(argv: list[str] | None = None) -> None:
         from workers.gguf_loader import resolve_model_path
 
         target = resolve_model_path(a.target)
-        seqs, held = jsonl_sequences(a.work), None
+        seqs, held = chat_sequences(target, a.work, 0 if a.quick else a.docs, cfg.seq_len), None
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    stats = train_head(target, seqs, a.out, cfg, held)
+    stats = train_head(target, seqs, a.out, cfg, held, save_dtype=getattr(torch, a.save_dtype))
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}))
     prompts = heldout_prompts(a.target, a.work)
     acceptance = {} if a.quick or not prompts else heldout_acceptance(target, a.out, prompts[:16])
