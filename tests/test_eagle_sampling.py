@@ -9,6 +9,7 @@ import torch
 
 import workers.draft_worker as draft_worker
 import workers.eagle.draft_worker as eagle_worker
+from tests.conftest import random_plans
 from tests.test_engine_sampling import ALPHA, exact_joint, pair_pvalues, sample_engine, target_logits  # noqa: F401
 from training.eagle_layout import random_head
 from workers.model_config import ModelConfig
@@ -30,17 +31,25 @@ CASES = {  # name -> (speculative config keys, laws sampled side by side in one 
     "chain-T0.7-topk5-and-topp0.8": ({"k": 2}, [(0.7, 5, 1.0), (1.0, -1, 0.8)]),
     "dynamic-tree-T1": ({"k": 2, "num_draft_tokens": 4, "eagle_topk": 2}, [(1.0, -1, 1.0)]),
     "fixed-tree-iid-T0.8": ({"k": 2, "tree_branching": [2, 2]}, [(0.8, -1, 1.0)]),
+    # random depths and node budgets per request per step (every plan the adaptive policy could make)
+    "dynamic-tree-T1-random-budgets": ({"k": 2, "num_draft_tokens": 5, "eagle_topk": 2, "adaptive": True,
+                                        "adaptive_warmup_s": 0}, [(1.0, -1, 1.0)]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_eagle_output_follows_the_target_law(small_vocab, target_logits, head, case: str) -> None:  # noqa: F811
+def test_eagle_output_follows_the_target_law(small_vocab, target_logits, head, case: str,  # noqa: F811
+                                             monkeypatch) -> None:
     target, _ = small_vocab
     keys, laws = CASES[case]
     keys = dict(keys)
+    if case.endswith("random-budgets"):
+        random_plans(monkeypatch)
     samples, llm = sample_engine(target, eagle(head, keys.pop("k"), **keys), laws)
     stats = llm.engine.stats
     assert 0 < stats.num_accepted < stats.num_drafted, stats.as_dict()  # accepted and rejected both ran
+    if case.endswith("random-budgets"):  # chains of 1 and 2, the tree (1 x 4): budgets 1, 2 and 5
+        assert len([d for d in stats.chosen_depths if d != "0"]) >= 3, stats.chosen_depths
     for tokens, law in zip(samples, laws, strict=True):
         pvalues = pair_pvalues(tokens, exact_joint(target_logits, *law))
         assert min(pvalues.values()) > ALPHA, (law, pvalues)
