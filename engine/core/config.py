@@ -97,9 +97,7 @@ class SpeculativeConfig:
       default true);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
-    - ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head (vLLM's layout; default on a packaged target: its
-      shipped head); ``num_draft_tokens``: EAGLE-2 dynamic trees of that many nodes (depth K, ``eagle_topk``
-      children per expanded node, one-hot q); unset: chains of K. Not with pipelining or a draft process.
+    - ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head; its keys: engine/drafting/eagle_keys.py.
     """
 
     model: str
@@ -189,10 +187,6 @@ class SpeculativeConfig:
         return self.method in EAGLE_METHODS
 
     @property
-    def dynamic_topk(self) -> int:  # children per expanded node of an EAGLE-2 dynamic tree; 0: not one
-        return self.eagle_topk if self.is_eagle and self.num_draft_tokens is not None else 0
-
-    @property
     def process_options(self) -> dict:
         """Where the draft runs (engine/execution/executor.py make_executor)."""
         return {"draft_process": self.draft_process, "draft_cores": self.draft_cores,
@@ -246,7 +240,7 @@ class SpeculativeConfig:
 
     @property
     def tree_shape(self) -> TreeShape:
-        if self.dynamic_topk:  # reserves depth K and num_draft_tokens nodes (workers/eagle/draft_worker.py)
+        if self.num_draft_tokens is not None:  # EAGLE: reserves depth K and num_draft_tokens nodes (eagle_keys.py)
             k = self.num_speculative_tokens
             return TreeShape((1,) * (k - 1) + (self.num_draft_tokens - k + 1,))
         if self.tree_branching is None:
@@ -264,10 +258,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         if "model" not in value:
-            if value.get("method") in EAGLE_METHODS:
-                raise ValueError("speculative_config.model is required for an EAGLE head (its directory), except "
-                                 "on a packaged target that ships one (the built-in target)")
-            raise ValueError("speculative_config.model is required (the draft model directory)")
+            raise ValueError("speculative_config.model is required (the draft model or EAGLE head directory)")
         return cls(**value)
 
     @staticmethod

@@ -14,7 +14,6 @@ import itertools
 import secrets
 import time
 
-from engine.core.compat import check_draft_compatible
 from engine.core.config import EngineConfig
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
@@ -22,7 +21,7 @@ from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
-from engine.drafting.eagle import check_eagle_setup, eagle_worker_config, head_max_len
+from engine.drafting.eagle import draft_model_config, eagle_worker_config, head_max_len
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -57,19 +56,16 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        eagle = check_eagle_setup(spec, tcfg)  # a head on the target's features
-        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None and not eagle else None
-        if dcfg is not None:
-            check_draft_compatible(config.target, spec.model, tcfg, dcfg)
+        dcfg = draft_model_config(spec, config.target, tcfg)
+        eagle = spec is not None and spec.is_eagle  # a head on the target's features (engine/drafting/eagle.py)
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
         bs = config.cache.block_size
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        draft_cfg = eagle_worker_config(spec, config.target, tcfg, num_blocks, bs, config.dtype, config.device) \
-            if eagle else None
-        if spec is not None and not eagle:
+        draft_cfg = eagle_worker_config(config, tcfg, num_blocks) if eagle else None
+        if dcfg is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,

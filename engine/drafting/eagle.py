@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-from engine.core.config import DEFAULT_MODELS_DIR, SpeculativeConfig
+from engine.core.compat import check_draft_compatible
+from engine.core.config import DEFAULT_MODELS_DIR, EngineConfig, SpeculativeConfig
+from engine.drafting.eagle_keys import dynamic_topk
 from workers.eagle.head_config import EagleHeadConfig
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
@@ -49,13 +51,24 @@ def check_eagle_setup(spec: SpeculativeConfig | None, target_config: ModelConfig
     return True
 
 
-def eagle_worker_config(spec: SpeculativeConfig, target: str, target_config: ModelConfig, num_blocks: int,
-                        block_size: int, dtype: str | None, device: str) -> WorkerConfig:
+def draft_model_config(spec: SpeculativeConfig | None, target: str, target_config: ModelConfig
+                       ) -> ModelConfig | None:
+    """A draft model's config, checked against the target; None without speculation or for an EAGLE head (whose
+    setup is checked here instead)."""
+    if spec is None or check_eagle_setup(spec, target_config):
+        return None
+    dcfg = ModelConfig.from_pretrained(spec.model)
+    check_draft_compatible(target, spec.model, target_config, dcfg)
+    return dcfg
+
+
+def eagle_worker_config(config: EngineConfig, target_config: ModelConfig, num_blocks: int) -> WorkerConfig:
     """The draft worker's config for a head: the head directory, plus the target it reads its embedding from."""
-    return WorkerConfig(os.fspath(spec.model), num_blocks, block_size, dtype, device,
+    spec = config.speculative
+    return WorkerConfig(os.fspath(spec.model), num_blocks, config.cache.block_size, config.dtype, config.device,
                         tree_sampling=spec.tree_sampling, target_vocab_size=target_config.vocab_size,
-                        eagle_target=target, eagle_target_config=target_config.to_dict(),
-                        eagle_topk=spec.dynamic_topk)
+                        eagle_target=config.target, eagle_target_config=target_config.to_dict(),
+                        eagle_topk=dynamic_topk(spec))
 
 
 def aux_layers_of(config: WorkerConfig) -> tuple[int, ...]:

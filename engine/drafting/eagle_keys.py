@@ -1,4 +1,11 @@
-"""The EAGLE keys of ``speculative_config`` checked (engine/core/config.py calls this; no import of it here)."""
+"""The EAGLE keys of ``speculative_config`` (engine/core/config.py calls this; no import of it here).
+
+- ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head in vLLM's layout (default on a packaged target: its
+  shipped head, engine/drafting/eagle.py);
+- ``num_draft_tokens``: EAGLE-2 dynamic trees of that many nodes, depth ``num_speculative_tokens`` (the round
+  reserves exactly that: ``SpeculativeConfig.tree_shape``), ``eagle_topk`` children per expanded node, one-hot q;
+  unset: chains of K (or ``tree_branching``). Not with pipelining, a draft process or a multi-rank draft.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +35,8 @@ def check_eagle_keys(spec: Any, methods: tuple[str, ...]) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or not depth <= n <= spec.max_tree_nodes:
             raise ValueError(f"speculative_config.num_draft_tokens must be an integer in [num_speculative_tokens"
                              f" ({depth}), max_tree_nodes ({spec.max_tree_nodes})], got {n!r}")
+
+
+def dynamic_topk(spec: Any) -> int:
+    """Children per expanded node of an EAGLE-2 dynamic tree; 0: not a dynamic tree."""
+    return spec.eagle_topk if spec.is_eagle and spec.num_draft_tokens is not None else 0
