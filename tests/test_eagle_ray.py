@@ -46,3 +46,43 @@ def test_tp2_eagle_equals_in_process(ray_cluster, tp_models: TPModels, tmp_path,
     assert runs["tp2"][0][: len(TP_PROMPTS)] == tp_models.expected
     assert runs["tp2"] == runs["uni"] and runs["uni"][1] > 0  # same drafts: the features crossed intact
     assert not ray_leftovers(workers, check_ray=False)
+
+
+def test_target_rank1_dies_eagle_output_is_unchanged(ray_cluster, tp_models: TPModels, tmp_path) -> None:
+    """Worker recovery: target rank 1 killed mid-job; the target is rebuilt, every request recomputed, and the
+    head gets the recomputed prefixes' features again: greedy and seeded outputs are those without the fault."""
+    from tests.test_worker_faults import PARAMS as FAULT_PARAMS
+    from tests.test_worker_faults import STEP_TIMEOUT_S, run_with_kills
+
+    head = str(tmp_path / "head")
+    seqs = [p + e for p, e in zip(TP_PROMPTS, tp_models.expected, strict=True)] * 4
+    train_head(tp_models.target, seqs, head, EagleTrainConfig(minutes=0.5, steps=80, batch=4, seq_len=12, lr=5e-3),
+               log=lambda *_: None)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(tp_models.target, spec, distributed_executor_backend="uni") as llm:
+        outs = [o.token_ids for o in llm.generate(TP_PROMPTS + TP_PROMPTS, FAULT_PARAMS)]
+    reference = (outs[: len(TP_PROMPTS)], outs[len(TP_PROMPTS):])
+    with LLM(tp_models.target, spec, tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S) as llm:
+        outputs, _ = run_with_kills(llm, [(3, "target", 1)])
+        assert llm.engine.recovery.stats.restarts == {"target": 1}
+    assert outputs == reference
+
+
+def test_draft_dies_eagle_greedy_output_is_unchanged(ray_cluster, tp_models: TPModels, tmp_path) -> None:
+    """Worker recovery: the head's draft actor killed mid-job is replaced; the prefixes it is sent have no
+    features any more (fed as zeros), so its drafts may differ from a run without the fault, but greedy output is
+    the target's, and every request completes."""
+    from tests.test_worker_faults import PARAMS as FAULT_PARAMS
+    from tests.test_worker_faults import STEP_TIMEOUT_S, run_with_kills
+
+    head = str(tmp_path / "head")
+    seqs = [p + e for p, e in zip(TP_PROMPTS, tp_models.expected, strict=True)] * 4
+    train_head(tp_models.target, seqs, head, EagleTrainConfig(minutes=0.5, steps=80, batch=4, seq_len=12, lr=5e-3),
+               log=lambda *_: None)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(tp_models.target, spec, distributed_executor_backend="uni") as llm:
+        greedy = [o.token_ids for o in llm.generate(TP_PROMPTS, FAULT_PARAMS[: len(TP_PROMPTS)])]
+    with LLM(tp_models.target, spec, tensor_parallel_size=2, step_timeout_s=STEP_TIMEOUT_S) as llm:
+        (outputs, sampled), _ = run_with_kills(llm, [(3, "draft", 0)])
+        assert llm.engine.recovery.stats.restarts == {"draft": 1}
+    assert outputs == greedy and all(len(s) == len(greedy[0]) for s in sampled)

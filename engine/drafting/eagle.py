@@ -7,6 +7,9 @@ crosses the other way: the verify pass hands the head the hidden states of the r
 
 In-process the target puts them into the head's ``FeatureStore``; on Ray target rank 0 pushes them to draft rank
 0 on a socket of their own (engine/execution/worker_actor.py ``connect_features`` / ``serve_features``).
+
+``draft_model_config`` is where the engine tells the two drafts apart at start-up: a draft model's config is read
+and checked against the target; an EAGLE head's setup is checked instead.
 """
 
 from __future__ import annotations
