@@ -56,8 +56,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        dcfg = draft_model_config(spec, config.target, tcfg)
-        eagle = spec is not None and spec.is_eagle  # a head on the target's features (engine/drafting/eagle.py)
+        dcfg, eagle = draft_model_config(spec, config.target, tcfg), spec is not None and spec.is_eagle  # eagle: a head
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
         bs = config.cache.block_size
@@ -256,6 +255,8 @@ class LLMEngine:
 
     def resume_draft(self) -> None:
         """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
+        if self.config.speculative.is_eagle:  # a head's features died with it: the target recomputes and resends them
+            requeue_all(self.scheduler)
         tables = self.scheduler.draft_blocks.tables
         prefills = [PrefillSeq(r.seq_id, tables[r.seq_id], 0, r.all_token_ids[: r.num_cached_target])
                     for r in self.scheduler.running if r.num_cached_target > 0]

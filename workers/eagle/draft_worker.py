@@ -86,9 +86,9 @@ class EagleDraftWorker(DraftWorker):
         self._feeds = {}
         width = self.head.head_config.feature_size
         for p in msg.prefills:
-            # Only a replaced draft is sent prefixes (the engine otherwise prefills lazily, with the first round):
-            # their features died with the old draft, so they are fed zeros. The head drafts worse for those
-            # sequences; what is accepted, and so the output, stays the target's.
+            # The engine prefills a head lazily (with the first round) and has the target recompute a replaced
+            # head's requests (LLMEngine.resume_draft); a prefix sent anyway has no features here: it is fed zeros.
+            # The head drafts worse for it; what is accepted, and so the output, stays the target's.
             zeros = torch.zeros(len(p.token_ids), width, device=self.device)  # [n, F]
             self.features.put([SeqFeatures(p.seq_id, p.base_len, zeros.cpu())])
             self._feeds[id(p.block_table)] = _SeqFeed(self.head.fuse(zeros))
