@@ -51,6 +51,10 @@ from benchmarks.engine_runs import NOT_LOCKSTEP, engine_lockstep, engine_run
 from benchmarks.floor import measure_floor, report_floor
 from engine import LLM, SamplingParams
 from engine.core.config import DEFAULT_MODELS_DIR, default_model_dirs
+from engine.drafting.eagle import shipped_head
+
+# EAGLE heads (engine/drafting/eagle.py): opt-in modes, named in --modes.
+EAGLE_MODES = ("specserve_eagle", "specserve_eagle_tree")
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -186,6 +190,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quantization", choices=["gguf", "none"], default=None, help="a GGUF target's weights")
     ap.add_argument("--draft-quantization", choices=["gguf", "none"], default=None, help="a GGUF draft's weights")
     ap.add_argument("--json", default=None, help="write every result here")
+    ap.add_argument("--eagle-head", default=None,
+                    help="EAGLE head of the eagle modes (specserve_eagle: a chain of --k; specserve_eagle_tree: a "
+                         "dynamic tree of --eagle-nodes nodes, depth --k); default: the built-in target's shipped head")
+    ap.add_argument("--eagle-nodes", type=int, default=8, help="node budget of specserve_eagle_tree")
     return ap.parse_args(argv)
 
 
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     fixed_ks = [int(x) for x in args.fixed_ks.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
     modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks]
-    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES) - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
+    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES) - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
     cfg = ModelConfig.from_pretrained(args.target)
@@ -238,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
              "specserve_adaptive_tree": {**chain, "num_speculative_tokens": len(adaptive_tree),
                                          "tree_branching": adaptive_tree, "adaptive": True},
              **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
+    if any(m in EAGLE_MODES for m in modes):  # beside the separate draft at the same K and verify budget
+        head = args.eagle_head or shipped_head("builtin")
+        specs["specserve_eagle"] = {"method": "eagle3", "model": head, "num_speculative_tokens": args.k,
+                                    "adaptive": False}
+        specs["specserve_eagle_tree"] = {**specs["specserve_eagle"], "num_draft_tokens": args.eagle_nodes}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
     hf = None
     if any(m.startswith("hf_") for m in modes) or not args.skip_floor:

@@ -89,7 +89,7 @@ def test_request_larger_than_the_kv_pool(llama) -> None:
      r"tree_branching must be a list of 3 integers .*num_speculative_tokens=3.*got \[2, 2\]"),
     ({"model": "d", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 32\], got 0"),
     ({"model": "d", "tree_sampling": "topk"}, r"tree_sampling must be one of .*'iid'.*got 'topk'"),
-    ({"model": "d", "method": "eagle"}, r"speculative_config.method must be one of"),
+    ({"model": "d", "method": "medusa"}, r"speculative_config.method must be one of"),
     ({"num_speculative_tokens": 2}, r"speculative_config.model is required"),
     ({"model": "d", "num_speculative_tokens": 2, "tree_branching": [8, 8], "max_tree_nodes": 64},
      r"tree_branching \[8, 8\] makes 72 nodes per round, above max_tree_nodes=64"),

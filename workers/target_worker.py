@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
 from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
@@ -43,6 +44,14 @@ class TargetWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         # Filled by the draft (in-process) or by the law receiver thread (Ray).
         self.law_store = LawStore(timeout_s=self.config.step_timeout_s)
+        # An EAGLE head drafting for this target: where the committed rows' hidden states go (rank 0 only), set
+        # with ``feed_eagle`` (workers/eagle/features.py). None: nothing is captured.
+        self.feature_sink: FeatureSink | None = None
+
+    def feed_eagle(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
+        """Capture ``layers``' hidden states in every forward and hand the committed rows to ``sink``."""
+        self.model.model.aux_layers = tuple(layers)
+        self.feature_sink = sink
 
     @property
     def vocab_size(self) -> int:
@@ -72,12 +81,26 @@ class TargetWorker(WorkerBase):
                 # in-flight tokens' KV is committed as it is (real tokens, rewritten identically next time).
                 laws_error = str(e)
                 results = [VerifyResult([], [], 0, False) for _ in msg.seqs]
+        if self.feature_sink is not None and self.tp.is_first and laws_error is None:
+            self.feature_sink(self._features(msg, results), msg.finished)
         paths = self.tp.broadcast_int_lists([r.accepted_nodes for r in results] if self.tp.is_first else None,
                                             len(msg.seqs), self.device)
         self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])
         if laws_error is not None:
             return TargetStepOutput({}, [], time.perf_counter() - start, laws_error)
         return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
+
+    def _features(self, msg: TargetStep, results: list[VerifyResult]) -> list[SeqFeatures]:
+        """The captured hidden states of every row now committed: prompt chunks, in-flight tokens, accepted paths."""
+        aux = self.model.model.aux_hidden  # [T, F], the forward's rows in piece order
+        seqs = [(p.seq_id, p.base_len) for p in msg.prefills] + [(s.seq_id, s.base_len) for s in msg.seqs]
+        rows = committed_rows([len(p.token_ids) for p in msg.prefills] +
+                              [len(s.token_ids) + len(s.tree_tokens) for s in msg.seqs],
+                              [0] * len(msg.prefills) + [len(s.token_ids) for s in msg.seqs],
+                              [None] * len(msg.prefills) + [r.accepted_nodes for r in results])
+        index = torch.tensor([i for r in rows for i in r], dtype=torch.long, device=aux.device)
+        kept = aux.index_select(0, index).float().cpu().split([len(r) for r in rows])  # [n_i, F] each
+        return [SeqFeatures(s, base, f) for (s, base), f in zip(seqs, kept, strict=True)]
 
     def _sample_first(self, sampled: list[PrefillSeq], logits: torch.Tensor) -> dict[int, int]:
         if not sampled:

@@ -24,6 +24,11 @@ class WorkerConfig:
     # The target's last-resort wait for a live draft's laws (the executor sets it from ParallelConfig).
     step_timeout_s: float = 600.0
     num_threads: int = 1  # torch CPU threads in this worker's process
+    # EAGLE head drafts only (workers/eagle/): the target checkpoint (its embedding / head when the head has none)
+    # and its ModelConfig.to_dict(); eagle_topk > 0: EAGLE-2 dynamic trees of that many children per node.
+    eagle_target: str | None = None
+    eagle_target_config: dict | None = None
+    eagle_topk: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:

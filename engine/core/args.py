@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.core.config import (
+    EAGLE_METHODS,
     EXECUTOR_BACKENDS,
     TRANSPORTS,
     CacheConfig,
@@ -23,6 +24,7 @@ from engine.core.config import (
     default_model_dirs,
     packaged_default_draft,
 )
+from engine.drafting.eagle import shipped_head
 from scheduler.scheduler import SchedulerConfig
 
 _NO_SPECULATION = ("none", "null", "")
@@ -121,6 +123,7 @@ class EngineArgs:
         target, spec = self.target, self.speculative_config
         no_spec = isinstance(spec, str) and spec.strip().lower() in _NO_SPECULATION
         packaged_draft = packaged_default_draft(target)
+        short_name = target.lower() if packaged_draft else builtin_target_name(target) or "builtin"
         if target is None or builtin_target_name(target) or packaged_draft:
             # A built-in target (or a packaged one with a shipped draft, e.g. smollm2), with its default draft
             # unless told otherwise (also under a config that sets only K). Its depth is the adaptive policy's
@@ -134,7 +137,10 @@ class EngineArgs:
             if spec is None:
                 spec = {"method": "draft_model", "model": draft}
             elif not no_spec and not isinstance(spec, SpeculativeConfig):
-                spec = {"model": draft, **SpeculativeConfig.as_dict(spec)}
+                spec = SpeculativeConfig.as_dict(spec)
+                if spec.get("method") in EAGLE_METHODS and "model" not in spec:  # the target's shipped head
+                    spec["model"] = shipped_head(short_name)
+                spec = {"model": draft, **spec}
         return EngineConfig(
             target=target, speculative=None if no_spec else SpeculativeConfig.parse(spec), tokenizer=self.tokenizer,
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,

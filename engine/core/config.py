@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from engine.drafting.eagle_keys import check_eagle_keys
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
@@ -19,7 +20,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user d
 # best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
-SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
+SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle")  # "draft": an alias kept for older vLLM configs
+EAGLE_METHODS = ("eagle3", "eagle")  # a head fed the target's hidden states (engine/drafting/eagle.py)
 
 
 # Short names of other built-in targets (same tokenizer as the built-in draft, which is their default draft).
@@ -95,6 +97,7 @@ class SpeculativeConfig:
       default true);
     - ``num_speculative_tokens_per_batch_size``: vLLM's fixed schedule, ``{"1": 4, "16": 2, "64": 0}`` (or
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
+    - ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head; its keys: engine/drafting/eagle_keys.py.
     """
 
     model: str
@@ -115,6 +118,8 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 10.0  # start-up profiling of the adaptive policy's costs (core/policy_warmup.py)
     adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (core/policy_warmup.py)
+    num_draft_tokens: int | None = None  # EAGLE-2 dynamic tree node budget (None: chains / tree_branching)
+    eagle_topk: int = 4  # dynamic trees: children per expanded node and nodes expanded per depth
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -171,10 +176,15 @@ class SpeculativeConfig:
             if self.adaptive:
                 raise ValueError("speculative_config.num_speculative_tokens_per_batch_size is a fixed schedule: "
                                  "it cannot be combined with adaptive=true")
+        check_eagle_keys(self, EAGLE_METHODS)
         shape = self.tree_shape
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.method in EAGLE_METHODS
 
     @property
     def process_options(self) -> dict:
@@ -230,6 +240,9 @@ class SpeculativeConfig:
 
     @property
     def tree_shape(self) -> TreeShape:
+        if self.num_draft_tokens is not None:  # EAGLE: reserves depth K and num_draft_tokens nodes (eagle_keys.py)
+            k = self.num_speculative_tokens
+            return TreeShape((1,) * (k - 1) + (self.num_draft_tokens - k + 1,))
         if self.tree_branching is None:
             return TreeShape.chain(self.num_speculative_tokens)
         return TreeShape(tuple(self.tree_branching))
@@ -245,7 +258,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
         if "model" not in value:
-            raise ValueError("speculative_config.model is required (the draft model directory)")
+            raise ValueError("speculative_config.model is required (the draft model or EAGLE head directory)")
         return cls(**value)
 
     @staticmethod

@@ -15,7 +15,6 @@ import itertools
 import secrets
 import time
 
-from engine.core.compat import check_draft_compatible
 from engine.core.config import EngineConfig
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
@@ -23,6 +22,7 @@ from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
+from engine.drafting.eagle import draft_model_config, eagle_worker_config, head_max_len
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -58,24 +58,22 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        dcfg = ModelConfig.from_pretrained(spec.model) if spec is not None else None
-        if spec is not None:
-            check_draft_compatible(config.target, spec.model, tcfg, dcfg)
+        dcfg, eagle = draft_model_config(spec, config.target, tcfg), spec is not None and spec.is_eagle  # eagle: a head
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
         bs = config.cache.block_size
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        draft_cfg = None
-        if spec is not None:
+        draft_cfg = eagle_worker_config(config, tcfg, num_blocks) if eagle else None
+        if dcfg is not None:
             draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
                                      quantization=spec.quantization,
                                      tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
                                      model_config=dcfg.to_dict())
         # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
         # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        self.draft_max_len = dcfg.max_model_len if dcfg is not None else 0
+        self.draft_max_len = dcfg.max_model_len if dcfg is not None else head_max_len(spec) if eagle else 0
         parallel = config.parallel
         if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
             parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
@@ -90,13 +88,14 @@ class LLMEngine:
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         policy = build_policy(spec, self.tree, self.max_model_len, self.draft_max_len) if spec is not None else None
-        v4 = "deepseek_v4" in (tcfg.model_type, dcfg and dcfg.model_type)  # state outside the blocks: no caching
-        pool = functools.partial(BlockManager, num_blocks, bs, config.cache.enable_prefix_caching and not v4)
+        # no caching: a V4 state lives outside the blocks; an EAGLE head needs the features a cached prefix skips
+        v4 = "deepseek_v4" in (tcfg.model_type, dcfg and dcfg.model_type)
+        pool = functools.partial(BlockManager, num_blocks, bs, config.cache.enable_prefix_caching and not (v4 or eagle))
         self.scheduler = Scheduler(config.scheduler, pool(namespace(config.target, config.quantization, config.dtype)),
                                    pool(namespace(spec.model, spec.quantization, config.dtype)) if spec else None,
                                    num_nodes, draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
-                                   policy=policy, lazy_draft_prefill=isinstance(policy, AdaptivePolicy)
-                                   and not spec.pipeline)
+                                   policy=policy, lazy_draft_prefill=eagle or (isinstance(policy, AdaptivePolicy)
+                                                                                and not spec.pipeline))
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
@@ -261,6 +260,8 @@ class LLMEngine:
 
     def resume_draft(self) -> None:
         """A replaced draft is up: fill its cache with every running request's committed tokens, speculate again."""
+        if self.config.speculative.is_eagle:  # a head's features died with it: the target recomputes and resends them
+            requeue_all(self.scheduler)
         tables = self.scheduler.draft_blocks.tables
         prefills = [PrefillSeq(r.seq_id, tables[r.seq_id], 0, r.all_token_ids[: r.num_cached_target])
                     for r in self.scheduler.running if r.num_cached_target > 0]

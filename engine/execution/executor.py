@@ -34,7 +34,13 @@ class LocalExecutor:
         from workers.target_worker import TargetWorker
 
         self.target = TargetWorker(target)
-        self.draft = DraftWorker(draft) if draft is not None else None
+        if draft is not None and draft.eagle_target is not None:  # an EAGLE head: fed the target's features
+            from workers.eagle.draft_worker import EagleDraftWorker
+
+            self.draft: DraftWorker | None = EagleDraftWorker(draft)
+            self.target.feed_eagle(self.draft.aux_layers, self.draft.features.put)
+        else:
+            self.draft = DraftWorker(draft) if draft is not None else None
         if self.draft is not None:
             # The draft's laws go straight to the verifier: the controller never holds them.
             self.draft.law_sink = self.target.law_store.put

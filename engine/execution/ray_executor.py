@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from engine.core.config import ParallelConfig
+from engine.drafting.eagle import aux_layers_of
 from engine.execution import codec
 from engine.execution.code_check import check_worker_code
 from engine.execution.faults import WorkerDiedError, WorkerStuckError
@@ -137,6 +138,18 @@ class RayExecutor:
         address = ray.get(target.serve_laws.remote(nodes == {ray.get_runtime_context().get_node_id()}))
         ray.get(draft.connect_laws.remote(address, first_tree_id(self._generation[Role.DRAFT])))
         self.endpoints["laws"] = [address]
+        self._connect_features()  # an EAGLE head's features: the same pair, the other way
+
+    def _connect_features(self) -> None:
+        """An EAGLE head's features: target rank 0 to draft rank 0 (workers/eagle/features.py), loopback as the laws."""
+        import ray
+
+        config = self._configs[Role.DRAFT]
+        if config.eagle_target is None:
+            return
+        target, draft = self._actors[Role.TARGET][0], self._actors[Role.DRAFT][0]
+        address = ray.get(draft.serve_features.remote(self.endpoints["laws"][0].startswith("tcp://127.0.0.1")))
+        ray.get(target.connect_features.remote(address, list(aux_layers_of(config))))
 
     def _connect(self, role: Role) -> None:
         """Watch the role's ranks; on the zmq transport, have them serve and connect to them."""

@@ -92,6 +92,11 @@ class WorkerProcess:
             from workers.target_worker import TargetWorker
 
             self.worker = TargetWorker(cfg, tp)
+        elif cfg.eagle_target is not None:  # an EAGLE head: fed the target's hidden states (serve_features)
+            from workers.eagle.draft_worker import EagleDraftWorker
+
+            self.worker = EagleDraftWorker(cfg, tp)
+            self.worker.features.timeout_s = cfg.step_timeout_s
         else:
             from workers.draft_worker import DraftWorker
 
@@ -226,6 +231,49 @@ class WorkerProcess:
                 push.send_multipart(auth.seal([frame]), copy=False)
 
         self.worker.law_sink = send
+
+    def serve_features(self, loopback: bool) -> str:
+        """Draft rank 0 of an EAGLE head: receive the target's hidden states (workers/eagle/features.py) on a PULL
+        socket of its own, into the head's FeatureStore; returns the address target rank 0 pushes to."""
+        import zmq
+
+        from workers.eagle.features import SeqFeatures
+
+        bind_host = "127.0.0.1" if loopback else node_ip()
+        pull = zmq.Context.instance().socket(zmq.PULL)
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
+        store = self.worker.features
+        auth = FrameAuth(self.secret, f"the feature receiver of draft rank {self.rank}")
+        self._auths["features"] = auth
+
+        def loop() -> None:
+            try:
+                while not self._stop.is_set():
+                    if pull.poll(timeout=1000):
+                        parts = auth.open(pull.recv_multipart(), 1)
+                        if parts is not None:
+                            rows, finished = codec.decode(parts[0])
+                            store.put([SeqFeatures(s, start, t) for s, start, t in rows], finished)
+            finally:
+                pull.close(linger=0)
+
+        threading.Thread(target=loop, name="draft-features", daemon=True).start()
+        return f"tcp://{bind_host}:{port}"
+
+    def connect_features(self, address: str, layers: list[int]) -> None:
+        """Target rank 0: capture ``layers`` and push every step's committed rows to the head at ``address``
+        (again after either side was replaced). The controller never sees them."""
+        import zmq
+
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(address)
+        auth = FrameAuth(self.secret, f"the feature sender of target rank {self.rank}")
+
+        def send(feats, finished) -> None:
+            frame = codec.encode([[[f.seq_id, f.start, f.rows] for f in feats], list(finished)])
+            push.send_multipart(auth.seal([frame]), copy=False)
+
+        self.worker.feed_eagle(tuple(layers), send)
 
     def fail_laws(self, error: str, below: int) -> None:
         """Target rank 0: the draft that numbered trees below ``below`` died; a verification waiting for their laws

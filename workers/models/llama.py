@@ -113,13 +113,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # EAGLE heads read some layers' input hidden states (-1: the normed output), captured in every forward
+        # as ``aux_hidden`` [T, len(aux_layers) * H] (workers/eagle/features.py); empty: nothing is kept.
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb(positions)  # [T, 1, D] each, once for all layers
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = hidden
             hidden = layer(hidden, cos, sin, ctx)
-        return self.norm(hidden)
+        out = self.norm(hidden)
+        if self.aux_layers:
+            aux[-1] = out
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):
