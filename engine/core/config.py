@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from engine.drafting.draftless_config import DRAFTLESS_METHODS, check_draftless, check_fallback
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
@@ -19,7 +20,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user d
 # best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
-SPEC_METHODS = ("draft_model", "draft")  # "draft" is an alias kept for users of older vLLM configs
+SPEC_METHODS = ("draft_model", "draft", *DRAFTLESS_METHODS)  # "draft": an alias kept for older vLLM configs
 
 
 # Short names of other built-in targets (same tokenizer as the built-in draft, which is their default draft).
@@ -62,7 +63,9 @@ def default_model_dirs(target_name: str | None = None) -> tuple[str, str]:
 class SpeculativeConfig:
     """vLLM-compatible keys plus our tree keys.
 
-    - ``method``: "draft_model" (alias "draft");
+    - ``method``: "draft_model" (alias "draft"), or the draftless "ngram" / "suffix" (no draft model: proposals
+      from the request's tokens, engine/drafting/draftless_config.py; ``fallback``: a draft model's config
+      drafting where they find no match);
     - ``model``: draft checkpoint directory;
     - ``num_speculative_tokens``: K, the depth of the candidate chain or tree (the adaptive policy's maximum);
       default: the tree's depth, else 8 with adaptive on and 4 with it off;
@@ -97,7 +100,7 @@ class SpeculativeConfig:
       ``[[1, 4], [16, 2], [64, 0]]``): the depth for at least that many decoding requests; not with adaptive.
     """
 
-    model: str
+    model: str | None = None  # None only for the draftless methods (ngram, suffix)
     num_speculative_tokens: int | None = None  # None: the tree's depth, else 8 adaptive / 4 fixed
     method: str = "draft_model"
     tree_branching: list[int] | None = None
@@ -115,6 +118,15 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: dict | list | None = None
     adaptive_warmup_s: float = 10.0  # start-up profiling of the adaptive policy's costs (core/policy_warmup.py)
     adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (core/policy_warmup.py)
+    # Draftless methods (engine/drafting/draftless_config.py): vLLM's ngram and suffix keys, ours after them.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_cross_request: bool = True  # false: no cache of other requests' outputs
+    fallback: dict | SpeculativeConfig | None = None  # a draft model's config, drafting where no match is found
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -122,7 +134,11 @@ class SpeculativeConfig:
                              f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        if not isinstance(self.model, str) or not self.model:
+        if self.method in DRAFTLESS_METHODS:
+            check_draftless(self)
+        elif self.fallback is not None:
+            raise ValueError("speculative_config.fallback is for methods 'ngram' and 'suffix'")
+        elif not isinstance(self.model, str) or not self.model:
             raise ValueError("speculative_config.model must be a draft model directory")
         if self.num_speculative_tokens is None:
             if isinstance(self.tree_branching, (list, tuple)) and 1 <= len(self.tree_branching) <= 32:
@@ -175,6 +191,12 @@ class SpeculativeConfig:
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+        check_fallback(self)
+
+    @property
+    def draft_spec(self) -> SpeculativeConfig | None:
+        """The draft model's config (the worker to start): this one, the fallback's, or None (draftless)."""
+        return self.fallback if self.method in DRAFTLESS_METHODS else self
 
     @property
     def process_options(self) -> dict:
@@ -244,7 +266,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
-        if "model" not in value:
+        if "model" not in value and value.get("method") not in DRAFTLESS_METHODS:
             raise ValueError("speculative_config.model is required (the draft model directory)")
         return cls(**value)
 
@@ -355,9 +377,10 @@ class EngineConfig:
             self.target = default_model_dirs(builtin_target_name(self.target))[0]
         self.target = resolve_model_path(self.target)
         _check_model_path("target model", self.target)
-        if self.speculative is not None:
-            self.speculative.model = resolve_model_path(self.speculative.model)
-            _check_model_path("speculative_config.model", self.speculative.model)
+        if self.speculative is not None and self.speculative.draft_spec is not None:
+            draft = self.speculative.draft_spec
+            draft.model = resolve_model_path(draft.model)
+            _check_model_path("speculative_config.model", draft.model)
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and not is_gguf(self.target):
