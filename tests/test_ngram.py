@@ -14,7 +14,8 @@ from tests.conftest import marked_slow
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 # Repetitive prompts: the tiny targets continue them by copying part of the time.
-PROMPTS = [[1] + [5, 6, 7, 8, 9] * 6, [1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 17, 44, 9, 83], [1] + list(range(20, 32)) * 2]
+PROMPTS = [[1] + [5, 6, 7, 8, 9] * 6,
+           [1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 17, 44, 9, 83], [1] + list(range(20, 32)) * 2]
 
 
 def test_vllm_defaults_and_validation() -> None:

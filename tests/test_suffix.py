@@ -19,7 +19,8 @@ from scheduler.sampling_params import SamplingParams
 from tests.conftest import marked_slow
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-PROMPTS = [[1] + [5, 6, 7, 8, 9] * 6, [1, 40, 41, 42, 40, 41, 43, 40, 41], [1, 17, 44, 9, 83], [1] + list(range(20, 32)) * 2]
+PROMPTS = [[1] + [5, 6, 7, 8, 9] * 6,
+           [1, 40, 41, 42, 40, 41, 43, 40, 41], [1, 17, 44, 9, 83], [1] + list(range(20, 32)) * 2]
 
 
 def test_vllm_keys_and_defaults() -> None:

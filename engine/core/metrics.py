@@ -44,7 +44,9 @@ class SpecDecodingStats(RoundStats):
 
     def record_source(self, source: str, drafted: int, accepted: int) -> None:
         s = self.by_source.setdefault(source, SourceStats())
-        s.num_rounds, s.num_drafted, s.num_accepted = s.num_rounds + 1, s.num_drafted + drafted, s.num_accepted + accepted
+        s.num_rounds += 1
+        s.num_drafted += drafted
+        s.num_accepted += accepted
 
     def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool,
                      branching: tuple[int, ...] = ()) -> None:

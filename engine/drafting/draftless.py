@@ -6,8 +6,8 @@ from typing import Any
 
 from engine.core.metrics import SpecDecodingStats, StepTimes
 from engine.drafting.controller_drafter import ControllerDrafter, FallbackDrafter
-from engine.drafting.draftless_config import DRAFTLESS_METHODS, ngram_config, suffix_config
 from engine.drafting.drafter import DraftCalls, Drafter, SequentialDrafter
+from engine.drafting.draftless_config import DRAFTLESS_METHODS, ngram_config, suffix_config
 from engine.drafting.ngram import NgramProposer
 from engine.drafting.suffix import SuffixProposer
 from scheduler.scheduler import Scheduler
