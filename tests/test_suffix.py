@@ -162,3 +162,27 @@ def test_greedy_output_equals_no_speculation(request: pytest.FixtureRequest, cas
     assert by_source["suffix"].num_rounds > 10, llm.engine.stats.as_dict()
     model_rounds = by_source["draft_model"].num_rounds if "draft_model" in by_source else 0
     assert (model_rounds > 10) == case.endswith("fallback"), by_source
+
+
+def test_through_the_engine_aborted_requests_are_not_cached(llama) -> None:
+    """An aborted request's output never reaches the cache, a finished one's does, and no per-request state
+    outlives the requests (the engine's finished and aborted ids reach the drafter)."""
+    cfg = {"method": "suffix", "num_speculative_tokens": 4}
+    llm = LLM(llama.target, cfg, block_size=4, num_kv_tokens=128)  # small: preemption happens on the way
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("r0")
+    outs: dict[str, object] = {}
+    for _ in range(500):
+        if not engine.has_unfinished:
+            break
+        outs.update({o.request_id: o for o in engine.step_finished()})
+    # The last finished ids reach the drafter with the next step that runs: before any round of a new request.
+    engine.add_request("probe", PROMPTS[0], GREEDY)
+    engine.step()
+    proposer = engine.drafter.proposer
+    assert outs["r0"].finish_reason == "abort" and proposer.num_requests == 0
+    assert proposer.cache.num_requests == len(PROMPTS) - 1
