@@ -186,3 +186,14 @@ def test_through_the_engine_aborted_requests_are_not_cached(llama) -> None:
     proposer = engine.drafter.proposer
     assert outs["r0"].finish_reason == "abort" and proposer.num_requests == 0
     assert proposer.cache.num_requests == len(PROMPTS) - 1
+
+
+def test_a_seeded_sampled_request_is_reproduced_whatever_was_cached_before(llama) -> None:
+    cfg = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0}
+    seeded = SamplingParams(max_tokens=30, temperature=1.0, seed=77, ignore_eos=True)
+    prompt = [1, 40, 41, 42, 40, 41, 43, 40, 41]
+    alone = LLM(llama.target, cfg).generate([prompt], seeded)[0].token_ids
+    llm = LLM(llama.target, cfg)
+    llm.generate(PROMPTS + [prompt] * 3, GREEDY)  # the cache now holds continuations of this prompt
+    assert llm.engine.drafter.proposer.cache.num_requests >= len(PROMPTS)  # (the last settle with the next step)
+    assert llm.generate([prompt], seeded)[0].token_ids == alone

@@ -27,8 +27,9 @@ class Proposer(Protocol):
     name: str  # the source name in the statistics ("ngram", "suffix")
 
     def propose(self, seq_id: int, token_ids: list[int], max_nodes: int, max_depth: int,
-                tenant: str | None = None) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of a tree of at most max_nodes nodes and max_depth levels; ([], []) for none."""
+                tenant: str | None = None, shared: bool = True) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of a tree of at most max_nodes nodes and max_depth levels; ([], []) for none.
+        ``shared`` false: from the request's own tokens only (nothing other requests left)."""
         ...
 
     def forget(self, seq_id: int, output: list[int] | None = None, tenant: str | None = None) -> None:
@@ -49,8 +50,11 @@ class ControllerDrafter:
         trees = []
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             self._running[r.seq_id] = r
+            # A seeded sampled request's tokens depend on the trees it was offered: from its own tokens only, so
+            # that its seed reproduces them whatever other requests came before.
+            shared = r.params.seed is None or r.params.greedy
             tokens, parents = (self.proposer.propose(r.seq_id, r.all_token_ids, branching_nodes(shape), len(shape),
-                                                     r.tenant) if shape else ([], []))
+                                                     r.tenant, shared) if shape else ([], []))
             trees.append(DraftTree(tokens, parents, ONE_HOT_TREE, 0, []) if tokens else NO_TREE)
         return trees
 

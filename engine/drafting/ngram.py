@@ -42,7 +42,7 @@ class NgramProposer:
     _index: dict[int, NgramIndex] = field(default_factory=dict)  # seq_id -> index
 
     def propose(self, seq_id: int, token_ids: list[int], max_nodes: int, max_depth: int,
-                tenant: str | None = None) -> tuple[list[int], list[int]]:
+                tenant: str | None = None, shared: bool = True) -> tuple[list[int], list[int]]:
         """A chain (tokens, parents) of at most min(K, max_nodes, max_depth) tokens; empty without a match."""
         idx = self._index.get(seq_id)
         if idx is None or len(idx.tokens) > len(token_ids):

@@ -7,7 +7,8 @@ match, from the request's own tokens and from a bounded cache of recent requests
 - Cross-request: a trie per tenant (the request's ``tenant``: the API key it came with, or None) over the
   outputs of that tenant's finished requests, never another's (acceptance timing would reveal them), FIFO-evicted
   past ``max_cached_requests`` requests or ``max_cached_tokens`` tokens over all tenants; aborted requests are
-  not cached. ``cross_request`` false: no cache at all.
+  not cached. ``cross_request`` false: no cache at all. Seeded sampled requests draft from their own tokens only
+  (their seed must reproduce their output whatever ran before).
 
 Of the two proposals (own, cache) the one with more expected accepted tokens is taken. Proposals are functions of
 the tokens and the cache, so each node's law is one-hot at its token.
@@ -76,7 +77,7 @@ class SuffixProposer:
                                  c.max_cached_tokens)
 
     def propose(self, seq_id: int, token_ids: list[int], max_nodes: int, max_depth: int,
-                tenant: str | None = None) -> tuple[list[int], list[int]]:
+                tenant: str | None = None, shared: bool = True) -> tuple[list[int], list[int]]:
         c = self.config
         trie = self._own.get(seq_id)
         if trie is None or trie.num_appended > len(token_ids):
@@ -84,9 +85,9 @@ class SuffixProposer:
         trie.append(token_ids[trie.num_appended:])
         args = (max_nodes, max_depth, c.max_spec_factor, c.min_token_prob)
         best: Proposal | None = trie.propose(token_ids, True, *args)
-        shared = self.cache.tries.get(tenant)
-        if shared is not None:
-            other = shared.propose(token_ids, False, *args)
+        cached = self.cache.tries.get(tenant) if shared else None
+        if cached is not None:
+            other = cached.propose(token_ids, False, *args)
             if other is not None and (best is None or other.score > best.score):
                 best = other
         return (best.tokens, best.parents) if best is not None else ([], [])
