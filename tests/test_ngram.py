@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.args import EngineArgs
 from engine.core.config import SpeculativeConfig, default_model_dirs
 from engine.drafting.draftless_config import NgramConfig
 from engine.drafting.ngram import NgramProposer
@@ -33,6 +34,9 @@ def test_vllm_defaults_and_validation() -> None:
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "pipeline": True})
     with pytest.raises(ValueError, match="fallback is for"):
         SpeculativeConfig.parse({"model": "x", "fallback": {"model": "y"}})
+    # The CLI's path: a built-in target adds its draft's path, which a draftless method does not use.
+    engine_cfg = EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}').to_engine_config()
+    assert engine_cfg.speculative.method == "ngram" and engine_cfg.speculative.draft_spec is None
 
 
 def _proposer(k: int = 3, lo: int = 2, hi: int = 4) -> NgramProposer:
