@@ -28,9 +28,9 @@ class SuffixConfig:
     max_spec_factor: float = 1.0  # nodes proposed <= factor x match length: long matches speculate longer
     min_token_prob: float = 0.1  # a continuation seen less often than this (relative count) is not proposed
     cross_request: bool = True  # false: draft from the request's own tokens only (no cache across requests)
-    # tokens of cached outputs over all tenants, the memory bound: up to max_tree_depth trie nodes (~100 bytes
-    # each) per token; more reaches further back
-    max_cached_tokens: int = 1 << 15
+    # tokens of cached outputs over all tenants, the memory bound: up to max_tree_depth - 1 trie nodes of ~260
+    # bytes per token (random text at depth 24: 6 KB a token, so ~100 MB at this bound); more reaches further back
+    max_cached_tokens: int = 1 << 14
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> int:
