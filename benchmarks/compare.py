@@ -166,6 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--draftless-k", type=int, default=10, help="num_speculative_tokens of specserve_ngram / _suffix")
     ap.add_argument("--draftless-fallback", action="store_true",
                     help="specserve_ngram / _suffix draft with the chain's draft model where they find no match")
+    ap.add_argument("--suffix-cross-request", action="store_true",
+                    help="specserve_suffix keeps its cache of finished outputs; off by default: the repeats run the "
+                         "same prompts, and the cache would replay their earlier outputs")
     ap.add_argument("--adaptive-tree", default="",
                     help="the configured tree of specserve_adaptive_tree, whose menu per request is chains 1 .. its "
                          "depth and this tree (default: 2 then 1s to --adaptive-k)")
@@ -352,7 +355,8 @@ def draftless_specs(args: argparse.Namespace, chain: dict) -> dict[str, dict]:
     fallback = {"fallback": chain} if args.draftless_fallback else {}
     return {"specserve_ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                                 "prompt_lookup_max": 5, **fallback},
-            "specserve_suffix": {"method": "suffix", "num_speculative_tokens": k, **fallback}}
+            "specserve_suffix": {"method": "suffix", "num_speculative_tokens": k,
+                                 "suffix_decoding_cross_request": args.suffix_cross_request, **fallback}}
 
 
 if __name__ == "__main__":
