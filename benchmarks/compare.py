@@ -56,6 +56,9 @@ from engine.drafting.eagle import shipped_head
 # EAGLE heads (engine/drafting/eagle.py): opt-in modes, named in --modes.
 EAGLE_MODES = ("specserve_eagle", "specserve_eagle_tree")
 
+# Draftless modes (engine/drafting/): prompt lookup and suffix decoding, run only when --modes names them.
+DRAFTLESS_MODES = ("specserve_ngram", "specserve_suffix")
+
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
     """Token ids of ``n`` prompts no longer than ``max_len`` (reused when the file has fewer); random ids when
@@ -164,6 +167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--k", type=int, default=4, help="chain length")
     ap.add_argument("--tree", default="2,1", help="tree branching at the chain's node budget (2,1: 4 nodes)")
     ap.add_argument("--adaptive-k", type=int, default=8, help="K_max of specserve_adaptive")
+    ap.add_argument("--draftless-k", type=int, default=10, help="num_speculative_tokens of specserve_ngram / _suffix")
+    ap.add_argument("--draftless-fallback", action="store_true",
+                    help="specserve_ngram / _suffix draft with the chain's draft model where they find no match")
+    ap.add_argument("--suffix-cross-request", action="store_true",
+                    help="specserve_suffix keeps its cache of finished outputs; off by default: the repeats run the "
+                         "same prompts, and the cache would replay their earlier outputs")
     ap.add_argument("--adaptive-tree", default="",
                     help="the configured tree of specserve_adaptive_tree, whose menu per request is chains 1 .. its "
                          "depth and this tree (default: 2 then 1s to --adaptive-k)")
@@ -218,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     fixed_ks = [int(x) for x in args.fixed_ks.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
     modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks]
-    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES) - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
+    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES + DRAFTLESS_MODES)
+                     - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
     cfg = ModelConfig.from_pretrained(args.target)
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     n = args.max_tokens
     prompts = load_prompts(args.prompts, load_tokenizer(args.target), cfg.vocab_size,
                            max([args.num_prompts, *batches]),
-                           cfg.max_model_len - n - max([args.k, args.adaptive_k, len(adaptive_tree), *fixed_ks]) - 2)
+                           cfg.max_model_len - n
+                           - max([args.k, args.adaptive_k, len(adaptive_tree), *fixed_ks, args.draftless_k]) - 2)
     kv = max(batches) * (max(len(p) for p in prompts) + n + 64)
     chain = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k, "adaptive": False,
              "quantization": args.draft_quantization}
@@ -245,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
              "specserve_adaptive": {**chain, "num_speculative_tokens": args.adaptive_k, "adaptive": True},
              "specserve_adaptive_tree": {**chain, "num_speculative_tokens": len(adaptive_tree),
                                          "tree_branching": adaptive_tree, "adaptive": True},
-             **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks}}
+             **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks},
+             **draftless_specs(args, chain)}
     if any(m in EAGLE_MODES for m in modes):  # beside the separate draft at the same K and verify budget
         head = args.eagle_head or shipped_head("builtin")
         specs["specserve_eagle"] = {"method": "eagle3", "model": head, "num_speculative_tokens": args.k,
@@ -349,6 +361,15 @@ def run_all(args: argparse.Namespace, modes: list[str], hf: HF | None, llms: dic
     return rows
 
 
+
+def draftless_specs(args: argparse.Namespace, chain: dict) -> dict[str, dict]:
+    """specserve_ngram (vLLM's keys, lookup 2..5) and specserve_suffix, each with the chain as fallback if asked."""
+    k = args.draftless_k
+    fallback = {"fallback": chain} if args.draftless_fallback else {}
+    return {"specserve_ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                                "prompt_lookup_max": 5, **fallback},
+            "specserve_suffix": {"method": "suffix", "num_speculative_tokens": k,
+                                 "suffix_decoding_cross_request": args.suffix_cross_request, **fallback}}
 
 
 if __name__ == "__main__":

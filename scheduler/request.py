@@ -123,6 +123,7 @@ class Request:
     num_cached_draft: int = 0  # tokens with committed KV in the draft cache
     seed: int | None = None  # the sampling streams' seed: the user's, or one the engine drew
     priority: int = 0  # admission order: lower first (vLLM's convention); batch jobs run at 1, online at 0
+    tenant: str | None = None  # who sent it (the API key, or None): what is cached across requests never mixes them
     stats: RequestStats = field(default_factory=RequestStats)
     # hashes of its first full blocks (scheduler/prefix_cache.py), grown as blocks fill; tokens never change
     block_hashes: list[bytes] = field(default_factory=list, repr=False)

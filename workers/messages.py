@@ -7,6 +7,10 @@ from typing import Any
 
 from scheduler.sampling_params import is_greedy
 
+# A tree_id saying the tree's laws are one-hot at its own tokens (deterministic proposals: n-gram, suffix), so
+# the verifier builds them from the ints at any temperature (the deterministic-children rule) and no law travels.
+ONE_HOT_TREE = -2
+
 
 @dataclass
 class SamplingSpec:
@@ -93,7 +97,7 @@ class DraftTree:
 
     tokens: list[int]
     parents: list[int]  # -1 = child of the anchor; nodes in depth order
-    tree_id: int  # key of its laws on the law channel (workers/law_channel.py); -1: greedy, no laws
+    tree_id: int  # key of its laws on the law channel (workers/law_channel.py); -1: greedy, no laws; ONE_HOT_TREE
     kv_depth: int  # leading depths whose draft KV was written (the deepest level never is)
     likely_path: list[int]  # root to leaf through the child the draft gave the most mass (pipelining)
 
@@ -138,7 +142,8 @@ class VerifySeq:
     tree_parents: list[int]
     sampling: SamplingSpec
     # The laws the candidates were drawn from reach the verifying rank from the draft directly, under this id
-    # (the first len(tree_tokens) nodes of that tree); -1 for greedy requests (one-hot by construction).
+    # (the first len(tree_tokens) nodes of that tree); -1 for greedy requests (one-hot by construction);
+    # ONE_HOT_TREE: every node's law is one-hot at its own token (deterministic proposals), built by the verifier.
     tree_id: int = -1
 
 

@@ -18,12 +18,20 @@ import torch
 from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
-from workers.messages import CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
+from workers.messages import ONE_HOT_TREE, CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
 from workers.sampling import logits_to_probs, sample
 from workers.streams import TARGET_SALT, stream
 from workers.tree_topology import scratch_parents
 from workers.verification import CandidateTree, verify_batch, verify_greedy
 from workers.worker_base import WorkerBase, prefill_forward, sampling_batch
+
+
+def one_hot_laws(tokens: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[N, V] float32: node i's law is all mass on its own token (a deterministic proposal's q)."""
+    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float32, device=device)
+    if tokens:
+        q[torch.arange(len(tokens), device=device), torch.tensor(tokens, dtype=torch.long, device=device)] = 1.0
+    return q
 
 
 def _verify_piece(s: VerifySeq) -> SeqForward:
@@ -119,8 +127,12 @@ class TargetWorker(WorkerBase):
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
-            q = (self.law_store.take(s.seq_id, s.tree_id, n, self.device) if s.tree_id >= 0 and n
-                 else torch.empty(n, 0 if s.sampling.greedy else self.vocab_size, device=self.device))  # [N, V]
+            if s.tree_id >= 0 and n:
+                q = self.law_store.take(s.seq_id, s.tree_id, n, self.device)  # [N, V]
+            elif s.tree_id == ONE_HOT_TREE and not s.sampling.greedy:
+                q = one_hot_laws(s.tree_tokens, self.vocab_size, self.device)  # [N, V]
+            else:
+                q = torch.empty(n, 0 if s.sampling.greedy else self.vocab_size, device=self.device)  # [N, V]
             tree = CandidateTree(tokens=torch.tensor(s.tree_tokens, dtype=torch.long, device=self.device),
                                  parents=torch.tensor(s.tree_parents, dtype=torch.long, device=self.device),
                                  draft_probs=q)

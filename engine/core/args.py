@@ -14,16 +14,14 @@ from typing import Any
 
 from engine.core.config import (
     EAGLE_METHODS,
-    EXECUTOR_BACKENDS,
-    TRANSPORTS,
     CacheConfig,
     EngineConfig,
-    ParallelConfig,
     SpeculativeConfig,
     builtin_target_name,
     default_model_dirs,
     packaged_default_draft,
 )
+from engine.core.parallel_config import EXECUTOR_BACKENDS, TRANSPORTS, ParallelConfig
 from engine.drafting.eagle import shipped_head
 from scheduler.scheduler import SchedulerConfig
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from engine.core.parallel_config import ParallelConfig
+from engine.drafting.draftless_config import DRAFTLESS_METHODS, check_draftless, check_fallback
 from engine.drafting.eagle_keys import check_eagle_keys
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
 from workers.loader import QUANTIZATION_CHOICES
-from workers.worker_config import WorkerConfig
 
 DEFAULT_MODELS_DIR = Path(__file__).resolve().parents[1] / "default_models"
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user did not set
@@ -20,7 +21,8 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user d
 # best fixed depth there is 6-8); the policy goes shallower where that pays.
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
-SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle")  # "draft": an alias kept for older vLLM configs
+# "draft": an alias kept for older vLLM configs
+SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle", *DRAFTLESS_METHODS)
 EAGLE_METHODS = ("eagle3", "eagle")  # a head fed the target's hidden states (engine/drafting/eagle.py)
 
 
@@ -64,7 +66,9 @@ def default_model_dirs(target_name: str | None = None) -> tuple[str, str]:
 class SpeculativeConfig:
     """vLLM-compatible keys plus our tree keys.
 
-    - ``method``: "draft_model" (alias "draft");
+    - ``method``: "draft_model" (alias "draft"), or the draftless "ngram" / "suffix" (no draft model: proposals
+      from the request's tokens, engine/drafting/draftless_config.py; ``fallback``: a draft model's config
+      drafting where they find no match);
     - ``model``: draft checkpoint directory;
     - ``num_speculative_tokens``: K, the depth of the candidate chain or tree (the adaptive policy's maximum);
       default: the tree's depth, else 8 with adaptive on and 4 with it off;
@@ -100,7 +104,7 @@ class SpeculativeConfig:
     - ``method`` "eagle3" / "eagle": ``model`` is an EAGLE head; its keys: engine/drafting/eagle_keys.py.
     """
 
-    model: str
+    model: str | None = None  # None only for the draftless methods (ngram, suffix)
     num_speculative_tokens: int | None = None  # None: the tree's depth, else 8 adaptive / 4 fixed
     method: str = "draft_model"
     tree_branching: list[int] | None = None
@@ -120,6 +124,15 @@ class SpeculativeConfig:
     adaptive_cost_cache: bool = True  # reuse the profile of the same setup on this machine (core/policy_warmup.py)
     num_draft_tokens: int | None = None  # EAGLE-2 dynamic tree node budget (None: chains / tree_branching)
     eagle_topk: int = 4  # dynamic trees: children per expanded node and nodes expanded per depth
+    # Draftless methods (engine/drafting/draftless_config.py): vLLM's ngram and suffix keys, ours after them.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_cross_request: bool = True  # false: no cache of other requests' outputs
+    fallback: dict | SpeculativeConfig | None = None  # a draft model's config, drafting where no match is found
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -127,7 +140,11 @@ class SpeculativeConfig:
                              f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        if not isinstance(self.model, str) or not self.model:
+        if self.method in DRAFTLESS_METHODS:
+            check_draftless(self)
+        elif self.fallback is not None:
+            raise ValueError("speculative_config.fallback is for methods 'ngram' and 'suffix'")
+        elif not isinstance(self.model, str) or not self.model:
             raise ValueError("speculative_config.model must be a draft model directory")
         if self.num_speculative_tokens is None:
             if isinstance(self.tree_branching, (list, tuple)) and 1 <= len(self.tree_branching) <= 32:
@@ -181,6 +198,12 @@ class SpeculativeConfig:
         if shape.num_nodes > self.max_tree_nodes:
             raise ValueError(f"speculative_config.tree_branching {list(shape.branching)} makes {shape.num_nodes} "
                              f"nodes per round, above max_tree_nodes={self.max_tree_nodes}")
+        check_fallback(self)
+
+    @property
+    def draft_spec(self) -> SpeculativeConfig | None:
+        """The draft model's config (the worker to start): this one, the fallback's, or None (draftless)."""
+        return self.fallback if self.method in DRAFTLESS_METHODS else self
 
     @property
     def is_eagle(self) -> bool:
@@ -257,7 +280,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
-        if "model" not in value:
+        if "model" not in value and value.get("method") not in DRAFTLESS_METHODS:
             raise ValueError("speculative_config.model is required (the draft model or EAGLE head directory)")
         return cls(**value)
 
@@ -291,67 +314,6 @@ class CacheConfig:
             raise ValueError(f"num_kv_tokens must be >= block_size ({self.block_size}), got {self.num_kv_tokens}")
 
 
-EXECUTOR_BACKENDS = ("uni", "ray")
-TRANSPORTS = ("zmq", "ray")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    draft_tensor_parallel_size: int = 1
-    # "uni": workers in this process (only with tensor_parallel_size 1); "ray": Ray actors.
-    # None picks "ray" when tensor parallelism or a cluster address asks for it.
-    backend: str | None = None
-    address: str | None = None  # an existing Ray cluster; None starts a local one when Ray is used
-    transport: str = "zmq"  # per-round messages: msgpack over zmq, or plain Ray actor calls
-    placement_timeout_s: float = 60.0
-    # Ray workers (or a draft process) that die are replaced up to this many times per window
-    # (engine/execution/recovery.py); 0: never.
-    max_worker_restarts: int = 3
-    worker_restart_window_s: float = 600.0
-    # The last resort for a worker that is alive but does not answer one step (a dead one is noticed within about
-    # a second); also how long the verifier waits for a live draft's laws and a replacement draft may take to start.
-    step_timeout_s: float = 600.0
-    worker_threads: int = 1  # torch CPU threads per worker process (a draft process pinned to cores: one per core)
-
-    def __post_init__(self) -> None:
-        if not self.step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s!r}")
-        t = self.worker_threads
-        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-            raise ValueError(f"worker_threads must be an integer >= 1, got {t!r}")
-        r = self.max_worker_restarts
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"max_worker_restarts must be an integer >= 0, got {r!r}")
-        if not self.worker_restart_window_s > 0:
-            raise ValueError(f"worker_restart_window_s must be > 0, got {self.worker_restart_window_s!r}")
-        for name in ("tensor_parallel_size", "draft_tensor_parallel_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 8:
-                raise ValueError(f"{name} must be an integer in [1, 8], got {v!r}")
-        if self.backend is not None and self.backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
-                             f"got {self.backend!r}")
-        if self.resolved_backend == "uni" and (self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1):
-            raise ValueError("distributed_executor_backend 'uni' runs in one process: tensor_parallel_size and "
-                             "draft_tensor_parallel_size must be 1 (use 'ray')")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
-        if self.placement_timeout_s <= 0:
-            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
-
-    @property
-    def resolved_backend(self) -> str:
-        if self.backend is not None:
-            return self.backend
-        wants_ray = self.tensor_parallel_size > 1 or self.draft_tensor_parallel_size > 1 or self.address
-        return "ray" if wants_ray else "uni"
-
-    def for_worker(self, config: WorkerConfig) -> WorkerConfig:
-        """``config`` carrying this config's share for a worker: its step timeout and torch thread count."""
-        return replace(config, step_timeout_s=self.step_timeout_s, num_threads=self.worker_threads)
-
-
 @dataclass
 class EngineConfig:
     target: str
@@ -372,9 +334,10 @@ class EngineConfig:
             self.target = default_model_dirs(builtin_target_name(self.target))[0]
         self.target = resolve_model_path(self.target)
         _check_model_path("target model", self.target)
-        if self.speculative is not None:
-            self.speculative.model = resolve_model_path(self.speculative.model)
-            _check_model_path("speculative_config.model", self.speculative.model)
+        if self.speculative is not None and self.speculative.draft_spec is not None:
+            draft = self.speculative.draft_spec
+            draft.model = resolve_model_path(draft.model)
+            _check_model_path("speculative_config.model", draft.model)
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and not is_gguf(self.target):

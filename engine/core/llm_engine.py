@@ -16,13 +16,14 @@ import secrets
 import time
 
 from engine.core.config import EngineConfig
+from engine.core.draft_setup import draft_setup
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
-from engine.drafting.eagle import draft_model_config, eagle_worker_config, head_max_len
+from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -58,25 +59,19 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or tcfg.max_model_len, tcfg.max_model_len)
         self.tokenizer = load_tokenizer(config.tokenizer or config.target)
         spec = config.speculative
-        dcfg, eagle = draft_model_config(spec, config.target, tcfg), spec is not None and spec.is_eagle  # eagle: a head
+        draft = draft_setup(config, tcfg)
+        dspec, dcfg, eagle = draft.spec, draft.model_config, draft.eagle  # dspec: what the draft worker runs
         self.tree = spec.tree_shape if spec is not None else None
         num_nodes = self.tree.num_nodes if self.tree is not None else 0
         bs = config.cache.block_size
         kv_tokens = config.cache.num_kv_tokens or min(
             config.scheduler.max_num_seqs * (self.max_model_len + num_nodes), _MAX_AUTO_KV_TOKENS)
         num_blocks = -(-kv_tokens // bs)
-        draft_cfg = eagle_worker_config(config, tcfg, num_blocks) if eagle else None
-        if dcfg is not None:
-            draft_cfg = WorkerConfig(spec.model, num_blocks, bs, config.dtype, config.device,
-                                     quantization=spec.quantization,
-                                     tree_sampling=spec.tree_sampling, target_vocab_size=tcfg.vocab_size,
-                                     model_config=dcfg.to_dict())
-        # Past its own context the draft still runs (RoPE is computed per position) but proposes poorly; like
-        # vLLM, stop drafting for a sequence there instead of paying for rejected candidates.
-        self.draft_max_len = dcfg.max_model_len if dcfg is not None else head_max_len(spec) if eagle else 0
+        draft_cfg = draft.worker_config(config, tcfg, num_blocks)
+        self.draft_max_len = draft.max_len(self.max_model_len) if spec is not None else 0
         parallel = config.parallel
-        if spec is not None and spec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
-            parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=spec.draft_tensor_parallel_size)
+        if dspec is not None and dspec.draft_tensor_parallel_size != parallel.draft_tensor_parallel_size:
+            parallel = dataclasses.replace(parallel, draft_tensor_parallel_size=dspec.draft_tensor_parallel_size)
         # Refuse a size that does not divide the heads before any worker is placed or loads weights.
         tcfg.check_tp(parallel.tensor_parallel_size)
         if dcfg is not None:
@@ -84,7 +79,7 @@ class LLMEngine:
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
                                                    quantization=config.quantization, model_config=tcfg.to_dict()),
-                                      draft_cfg, **(spec.process_options if spec is not None else {}))
+                                      draft_cfg, **(dspec.process_options if dspec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
         policy = build_policy(spec, self.tree, self.max_model_len, self.draft_max_len) if spec is not None else None
@@ -92,7 +87,7 @@ class LLMEngine:
         v4 = "deepseek_v4" in (tcfg.model_type, dcfg and dcfg.model_type)
         pool = functools.partial(BlockManager, num_blocks, bs, config.cache.enable_prefix_caching and not (v4 or eagle))
         self.scheduler = Scheduler(config.scheduler, pool(namespace(config.target, config.quantization, config.dtype)),
-                                   pool(namespace(spec.model, spec.quantization, config.dtype)) if spec else None,
+                                   pool(namespace(dspec.model, dspec.quantization, config.dtype)) if dspec else None,
                                    num_nodes, draft_scratch_nodes=spec.draft_scratch_nodes if spec is not None else 0,
                                    policy=policy, lazy_draft_prefill=eagle or (isinstance(policy, AdaptivePolicy)
                                                                                 and not spec.pipeline))
@@ -144,6 +139,8 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
+        if spec.method in DRAFTLESS_METHODS:
+            return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:
             policy = self.scheduler.policy

@@ -25,11 +25,32 @@ def _depth(key: str) -> int:
 
 
 @dataclass
+class SourceStats:
+    """Rounds one drafting source proposed in (n-gram, suffix, the draft model), and what they got accepted."""
+
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    def as_dict(self) -> dict:
+        n = self.num_rounds
+        return {"num_rounds": n, "num_drafted": self.num_drafted, "num_accepted": self.num_accepted,
+                "mean_acceptance_length": round(1 + self.num_accepted / n, 4) if n else 0.0}
+
+
+@dataclass
 class SpecDecodingStats(RoundStats):
     """Aggregate over every request: the same round definition and fields as a request's own statistics, plus
     the distribution of the speculation policy's choices (rounds per depth; "tree:2x1" for a tree shape)."""
 
     chosen_depths: dict[str, int] = field(default_factory=dict)
+    by_source: dict[str, SourceStats] = field(default_factory=dict)  # who proposed the rounds (drafters record it)
+
+    def record_source(self, source: str, drafted: int, accepted: int) -> None:
+        s = self.by_source.setdefault(source, SourceStats())
+        s.num_rounds += 1
+        s.num_drafted += drafted
+        s.num_accepted += accepted
 
     def record_round(self, drafted: int, accepted: int, emitted: int, bonus: bool,
                      branching: tuple[int, ...] = ()) -> None:
@@ -48,7 +69,8 @@ class SpecDecodingStats(RoundStats):
     def as_dict(self) -> dict:
         order = sorted(self.chosen_depths, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
         return {**super().as_dict(), "chosen_depths": {k: self.chosen_depths[k] for k in order},
-                "mean_chosen_depth": round(self.mean_chosen_depth, 4)}
+                "mean_chosen_depth": round(self.mean_chosen_depth, 4),
+                **({"by_source": {k: v.as_dict() for k, v in self.by_source.items()}} if self.by_source else {})}
 
 
 @dataclass

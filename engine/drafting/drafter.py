@@ -3,11 +3,13 @@
 Each step the controller asks the drafter for the batch's trees (``propose``), gives it the time the target
 spends verifying (``overlap``), then hands it the verified round (``commit``); ``commit`` says which draft KV
 the round made real and returns the draft's committed length per sequence, for the scheduler, which owns the
-counters. Three implementations:
+counters. The implementations:
 
 - ``NoDrafter``: no speculation; every round is a plain decode round.
 - ``SequentialDrafter`` (here): draft, then verify, one after the other.
 - ``PipelinedDrafter`` (engine/drafting/pipelined_drafter.py): draft round r+1 while the target verifies round r.
+- ``ControllerDrafter`` / ``FallbackDrafter`` (engine/drafting/controller_drafter.py): n-gram and suffix proposals
+  from the request's tokens, no draft worker (one-hot laws), alone or in front of a ``SequentialDrafter``.
 
 A drafter is built from what it uses: the executor (the draft worker's side of it), the draft's block tables
 (a read-only view of the scheduler's), the tree shape and the step timers. The trees it hands back are ints;
