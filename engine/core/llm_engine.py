@@ -132,6 +132,7 @@ class LLMEngine:
         """Start the engine's statistics and step times over (e.g. after warm-up or a benchmark's first pass)."""
         reset(self.stats)
         reset(self.times)
+        reset(self.scheduler.prefix_stats)  # the warm-up's lookups are not a user's
         if self.pipeline is not None:
             reset(self.pipeline.stats)
 
