@@ -115,7 +115,7 @@ def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tupl
 OP_CLASSES = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
-    "aten::mm": "float matmuls", "aten::addmm": "float matmuls",
+    "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
     "aten::copy_": "copies, casts, gathers", "aten::index_select": "copies, casts, gathers",
     "aten::cat": "copies, casts, gathers", "aten::index_copy_": "copies, casts, gathers",

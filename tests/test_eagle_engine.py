@@ -103,6 +103,20 @@ def test_greedy_under_preemption_and_joining(llama, heads, expected) -> None:
     assert preempted, "the pool was meant to force preemption"
 
 
+def test_a_shared_prefix_is_recomputed_for_the_head(llama, heads, expected) -> None:
+    """A cached target prefix would leave the head without its features: with a head the engine does not cache
+    prefixes (no hit is counted, the second request sharing a prompt gets the same greedy output), where the same
+    engine without the head hits."""
+    shared = PROMPTS[3]
+    for spec, hits in ((eagle(heads["full"], 3), 0), ("none", None)):
+        llm = LLM(llama.target, spec, block_size=4)
+        first = llm.generate([shared], GREEDY)[0].token_ids
+        second = llm.generate([shared], GREEDY)[0].token_ids
+        assert first == second == expected[3]
+        got = llm.engine.scheduler.prefix_stats.hits
+        assert got == hits if hits is not None else got > 0, (spec, got)
+
+
 def test_refusals_say_what_to_change(llama, heads) -> None:
     with pytest.raises(ValueError, match="pipelin"):
         SpeculativeConfig.parse(eagle(heads["full"], 3, pipeline=True))

@@ -32,7 +32,7 @@ from torch import nn
 
 from workers.distributed import TPGroup
 from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
-from workers.kernels.row_linear import KernelConfig, onednn_chunks, row_invariant_linear
+from workers.kernels.row_linear import KernelConfig, forget_packed, onednn_chunks, row_invariant_linear
 
 
 class TensorSlice(Protocol):
@@ -74,6 +74,7 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"shape mismatch loading {name}: this rank expects {tuple(dst.shape)}, "
                          f"the checkpoint slice is {tuple(src.shape)}")
     dst.copy_(src)  # copy_ also converts the checkpoint dtype to the parameter dtype
+    forget_packed(dst)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

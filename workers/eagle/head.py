@@ -26,6 +26,7 @@ from torch import nn
 from workers.attention import AttentionContext
 from workers.eagle.head_config import EAGLE3, EagleHeadConfig
 from workers.gguf_loader import is_gguf, iter_gguf_weights
+from workers.kernels.row_linear import forget_packed
 from workers.layers import RMSNorm, RotaryEmbedding, WeightSource, apply_rotary, read_full
 from workers.model_config import ModelConfig
 from workers.weight_files import iter_weights
@@ -172,6 +173,7 @@ def _copy(param: nn.Parameter, src: WeightSource, what: str) -> None:
         raise ValueError(f"EAGLE head: {what} has shape {tuple(t.shape)}, expected {tuple(param.shape)}")
     with torch.no_grad():
         param.copy_(t.to(param.dtype))
+        forget_packed(param)
 
 
 def target_weights(target_path: str, target_config: ModelConfig) -> Iterable[tuple[str, WeightSource]]:

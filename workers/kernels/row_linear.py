@@ -86,7 +86,8 @@ def _onednn_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _packed_mm(weight: torch.Tensor, rows: int):
     """``chunk [rows, K] -> [rows, N]`` through oneDNN on ``weight`` packed for ``rows`` rows; the packed copy is
     cached on the parameter and rebuilt when the parameter changed since (loading writes it in place)."""
-    key = (weight._version, weight.data_ptr(), rows)
+    # An inference-mode tensor has no version counter; the loaders' writes also drop the copy (``forget_packed``).
+    key = (None if weight.is_inference() else weight._version, weight.data_ptr(), rows)
     cached = getattr(weight, "_specserve_packed", None)
     if cached is None or cached[0] != key:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)  # oneDNN's blocked layout
@@ -94,3 +95,9 @@ def _packed_mm(weight: torch.Tensor, rows: int):
         weight._specserve_packed = cached
     packed = cached[1]
     return lambda chunk: torch.ops.mkldnn._linear_pointwise(chunk, packed, None, "none", [], "")
+
+
+def forget_packed(weight: torch.Tensor) -> None:
+    """Drop ``weight``'s packed copy: called where a loader writes the parameter (in inference mode too)."""
+    if getattr(weight, "_specserve_packed", None) is not None:
+        weight._specserve_packed = None

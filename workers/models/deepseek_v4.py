@@ -26,6 +26,7 @@ from torch import nn
 
 from workers.compressed_state import LayerScratch, SeqState, TreePlan
 from workers.distributed import TPGroup
+from workers.kernels.row_linear import forget_packed
 from workers.layers import WeightSource, read_full
 from workers.models.deepseek_v4_attention import (
     DeepseekV4Attention,
@@ -297,6 +298,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                                  f"got {tuple(tensor.shape)}")
             with torch.no_grad():
                 dst.copy_(tensor)
+            forget_packed(dst)
             loaded.add(name if expert is None else f"{name}:{expert}:{part}")
         expected = set()
         for name in targets:  # (per-expert names count every expert, this rank's or not)
