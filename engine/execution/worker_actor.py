@@ -183,14 +183,19 @@ class WorkerProcess:
         """Target rank 0: receive the draft's laws (workers/law_channel.py) on a PULL socket of its own, into the
         verifier's LawStore; returns the address draft rank 0 pushes to. The controller never sees them.
         Frames are signed like every other (engine/execution/frames.py): a forged law would be a wrong q."""
+        store = self.worker.law_store
+        return self._serve_pull("laws", f"the law receiver of target rank {self.rank}", "target-laws", loopback,
+                                lambda frame: store.put(codec.decode(frame)), store.fail)
+
+    def _serve_pull(self, kind: str, who: str, thread: str, loopback: bool, on_frame, on_error) -> str:
+        """A signed PULL socket of its own, read on a thread until shutdown; each opened frame to ``on_frame``, the
+        receiver's failure to ``on_error`` (so whoever waits on what it receives stops waiting). Its address."""
         import zmq
 
         bind_host = "127.0.0.1" if loopback else node_ip()
         pull = zmq.Context.instance().socket(zmq.PULL)
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
-        store = self.worker.law_store
-        auth = FrameAuth(self.secret, f"the law receiver of target rank {self.rank}")
-        self._auths["laws"] = auth
+        auth = self._auths[kind] = FrameAuth(self.secret, who)
 
         def loop() -> None:
             try:
@@ -198,13 +203,13 @@ class WorkerProcess:
                     if pull.poll(timeout=1000):
                         parts = auth.open(pull.recv_multipart(), 1)
                         if parts is not None:
-                            store.put(codec.decode(parts[0]))
+                            on_frame(parts[0])
             except Exception:
-                store.fail(f"the law receiver of target rank {self.rank} failed: {traceback.format_exc()}")
+                on_error(f"{who} failed: {traceback.format_exc()}")
             finally:
                 pull.close(linger=0)
 
-        threading.Thread(target=loop, name="target-laws", daemon=True).start()
+        threading.Thread(target=loop, name=thread, daemon=True).start()
         return f"tcp://{bind_host}:{port}"
 
     def connect_laws(self, address: str, first_tree_id: int) -> None:
@@ -235,30 +240,16 @@ class WorkerProcess:
     def serve_features(self, loopback: bool) -> str:
         """Draft rank 0 of an EAGLE head: receive the target's hidden states (workers/eagle/features.py) on a PULL
         socket of its own, into the head's FeatureStore; returns the address target rank 0 pushes to."""
-        import zmq
-
         from workers.eagle.features import SeqFeatures
 
-        bind_host = "127.0.0.1" if loopback else node_ip()
-        pull = zmq.Context.instance().socket(zmq.PULL)
-        port = pull.bind_to_random_port(f"tcp://{bind_host}")
         store = self.worker.features
-        auth = FrameAuth(self.secret, f"the feature receiver of draft rank {self.rank}")
-        self._auths["features"] = auth
 
-        def loop() -> None:
-            try:
-                while not self._stop.is_set():
-                    if pull.poll(timeout=1000):
-                        parts = auth.open(pull.recv_multipart(), 1)
-                        if parts is not None:
-                            rows, finished = codec.decode(parts[0])
-                            store.put([SeqFeatures(s, start, t) for s, start, t in rows], finished)
-            finally:
-                pull.close(linger=0)
+        def put(frame) -> None:
+            rows, finished = codec.decode(frame)
+            store.put([SeqFeatures(s, start, t) for s, start, t in rows], finished)
 
-        threading.Thread(target=loop, name="draft-features", daemon=True).start()
-        return f"tcp://{bind_host}:{port}"
+        return self._serve_pull("features", f"the feature receiver of draft rank {self.rank}", "draft-features",
+                                loopback, put, store.fail)
 
     def connect_features(self, address: str, layers: list[int]) -> None:
         """Target rank 0: capture ``layers`` and push every step's committed rows to the head at ``address``

@@ -54,6 +54,13 @@ class FeatureStore:
     _rows: dict[int, SeqFeatures] = field(default_factory=dict)
     _lock: threading.Condition = field(default_factory=threading.Condition)
     bytes_in: int = 0  # every row put, in bytes (what crosses: measured, docs/architecture.md)
+    _error: str | None = None  # the receiver failed: a take stops waiting and says why
+
+    def fail(self, error: str) -> None:
+        """The rows cannot arrive any more (their receiver died): waiting takes raise now, not at the timeout."""
+        with self._lock:
+            self._error = error
+            self._lock.notify_all()
 
     def put(self, feats: list[SeqFeatures], finished: list[int] | None = None) -> None:
         """New rows replace any held at or after their start (a re-prefilled sequence starts over); ``finished``
@@ -82,9 +89,11 @@ class FeatureStore:
 
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            while missing(self._rows.get(seq_id)) and time.monotonic() < deadline:
+            while missing(self._rows.get(seq_id)) and self._error is None and time.monotonic() < deadline:
                 self._lock.wait(min(deadline - time.monotonic(), 1.0))
             f = self._rows.get(seq_id)
+            if missing(f) and self._error is not None:
+                raise RuntimeError(f"EAGLE features of sequence {seq_id} cannot arrive: {self._error}")
             if missing(f):
                 held = "none" if f is None else f"[{f.start}, {f.start + f.rows.shape[0]})"
                 raise RuntimeError(f"EAGLE features of sequence {seq_id} for positions [{lo}, {stop}) are not here "
