@@ -62,12 +62,12 @@ class ServerLimits:
         return self.max_body_bytes, "--max-body-bytes"
 
 
-def _error(status: int, message: str) -> tuple[dict, bytes]:
+def _error(status: int, message: str, close: bool = True) -> tuple[dict, bytes]:
     kind = {408: "RequestTimeoutError", 413: "RequestTooLargeError"}[status]
     body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     return ({"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]}, body)
+             "headers": headers + [(b"connection", b"close")] * close}, body)
 
 
 class BodyLimitMiddleware:
@@ -91,8 +91,8 @@ class BodyLimitMiddleware:
         too_large = f"request body over {limit} bytes ({flag}={limit})"
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _drain(receive, self.limits.linger_s, self.limits.linger_bodies * limit)
-            await self._refuse(send, 413, f"{too_large}: Content-Length is {declared}")
+            drained = await _drain(receive, self.limits.linger_s, self.limits.linger_bodies * limit)
+            await self._refuse(send, 413, f"{too_large}: Content-Length is {declared}", close=not drained)
             return
         deadline = time.monotonic() + self.limits.body_timeout_s
         received = 0
@@ -123,9 +123,10 @@ class BodyLimitMiddleware:
                 if received > limit:
                     refused = True
                     if not started:
-                        if not body_done:
-                            await _drain(receive, self.limits.linger_s, self.limits.linger_bodies * limit)
-                        await self._refuse(send, 413, f"{too_large}: {received} bytes received so far")
+                        drained = body_done or await _drain(receive, self.limits.linger_s,
+                                                            self.limits.linger_bodies * limit)
+                        await self._refuse(send, 413, f"{too_large}: {received} bytes received so far",
+                                           close=not drained)
                     return {"type": "http.disconnect"}
             return message
 
@@ -146,25 +147,30 @@ class BodyLimitMiddleware:
                 raise
             # The app met the disconnect we gave it (ClientDisconnect and the like): the answer has gone out.
 
-    async def _refuse(self, send: Send, status: int, message: str) -> None:
+    async def _refuse(self, send: Send, status: int, message: str, close: bool = True) -> None:
+        """The error answer; ``close``: the connection closes after it (its body was not read to the end)."""
         if status == 413 and self._on_too_large is not None:
             self._on_too_large()
-        start, body = _error(status, message)
+        start, body = _error(status, message, close)
         await send(start)
         await send({"type": "http.response.body", "body": body})
 
 
-async def _drain(receive: Receive, seconds: float, max_bytes: int) -> None:
-    """Read and drop what is left of a request body, for at most ``seconds`` and ``max_bytes`` (nothing kept)."""
+async def _drain(receive: Receive, seconds: float, max_bytes: int) -> bool:
+    """Read and drop what is left of a request body, for at most ``seconds`` and ``max_bytes`` (nothing kept);
+    True when the body was read to its end (the connection can then stay open: no reset can lose the answer)."""
     deadline, dropped = time.monotonic() + seconds, 0
     while (left := deadline - time.monotonic()) > 0 and dropped <= max_bytes:
         try:
             message = await asyncio.wait_for(receive(), left)
         except asyncio.TimeoutError:
-            return
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
+            return False
+        if message["type"] != "http.request":
+            return False
+        if not message.get("more_body", False):
+            return True
         dropped += len(message.get("body", b""))
+    return False
 
 
 _LATE_HEADERS = b"request headers not received in time (--header-timeout)\n"
