@@ -23,6 +23,9 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
 
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
         --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
+
+(``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
+that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 """
 
 from __future__ import annotations
@@ -162,14 +165,14 @@ def _chain(table: list[int], base: int, rows: int, batch: bool = False) -> list[
                        logit_nodes=list(range(rows)))]
 
 
-def _median_ms(runner: Any, seqs: list[Any], steps: int) -> float:
+def _median_ms(runner: Any, seqs: list[Any], steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
     import statistics
 
     walls = []
     for _ in range(steps + 2):
-        start = time.perf_counter()
+        start = clock()
         runner.forward(seqs)
-        walls.append(time.perf_counter() - start)
+        walls.append(clock() - start)
     return statistics.median(walls[2:]) * 1e3
 
 
@@ -195,10 +198,11 @@ def profile_forwards(path: str, quantization: str | None, rows_list: list[int], 
 
 
 def compare_kernels(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int,
-                    dtype: torch.dtype | None = None, batch: bool = False) -> None:
+                    dtype: torch.dtype | None = None, batch: bool = False, cpu_time: bool = False) -> None:
     """Wall ms per forward with the row-invariant kernels and with the plain ones (F.linear, batched SDPA, GEMM
     head), alternating ``repeats`` times in this process; medians. ``batch``: rows are one-row decode steps of
-    that many sequences instead of one sequence's verify chain."""
+    that many sequences instead of one sequence's verify chain. ``cpu_time``: this process's CPU time instead of
+    the wall (one thread: the forward's own time, which a loaded machine's time-sharing leaves out)."""
     import statistics
 
     model, runner, table, prompt = _prompted_runner(path, quantization, dtype)
@@ -210,9 +214,11 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
                 m.row_invariant = on
             for rows in rows_list:
                 seqs = _chain(table, len(prompt), rows, batch)
-                walls.setdefault((rows, on), []).append(_median_ms(runner, seqs, steps))
+                clock = time.process_time if cpu_time else time.perf_counter
+                walls.setdefault((rows, on), []).append(_median_ms(runner, seqs, steps, clock))
     shape = "sequences decoding one row each" if batch else "rows of one verify chain"
-    print(f"ms per forward after a {len(prompt)}-token prompt ({shape}, {next(model.parameters()).dtype}), "
+    print(f"{'CPU' if cpu_time else 'wall'} ms per forward after a {len(prompt)}-token prompt ({shape}, "
+          f"{next(model.parameters()).dtype}), "
           f"medians of {repeats} alternating runs")
     print(f"{'rows':>5} {'plain':>8} {'row-invariant':>14} {'ratio':>6}")
     for rows in rows_list:
@@ -255,12 +261,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --compare-kernels, a float checkpoint in this dtype (default: the engine's choice)")
     ap.add_argument("--batch-rows", action="store_true",
                     help="with --compare-kernels: rows are one-row decode steps of that many sequences")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --compare-kernels: CPU time per forward instead of wall (a loaded machine)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
     if args.profile and args.compare_kernels:
         compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
-                        args.profile_steps, args.repeats, args.dtype and getattr(torch, args.dtype), args.batch_rows)
+                        args.profile_steps, args.repeats, args.dtype and getattr(torch, args.dtype), args.batch_rows,
+                        args.cpu_time)
         return 0
     if args.profile:
         rows = print_profile(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
