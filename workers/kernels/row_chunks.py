@@ -6,35 +6,37 @@ base chunk (``KernelConfig.gemm_rows`` rows, zero-padded): one shape is one kern
 only after a probe shows they give every row exactly the base chunk's bits; calls are then cut into admitted sizes
 (the last one zero-padded up to the next admitted size), so only verified shapes are ever called.
 
-The probe, once per (kernel, weight shape, dtype, thread count) on first use, for every row count of
-``candidates``, runs the
-kernel on a probe weight of the same shape and probe rows built so that the sum of a row is as sensitive to its
-summation order as it can be: half of each row is pairs of large terms (x up to 2^12) that cancel exactly in exact
-arithmetic, the rest small terms, so the result is the small terms' sum and which of them a large partial sum
-absorbs depends on the order. Random data is not enough: MKL's bfloat16 GEMM at [576 x 1,536] sums a lone row
-(M = 1) in another order than the base chunk, and bfloat16 rounding hides it on random rows (3 of 36,864 outputs
+The probe, once per (kernel, weight shape, dtype, thread count) on first use, for every row count of ``candidates``,
+runs the kernel on a probe weight of the same shape and probe rows built so that the sum of a row is as sensitive to
+its summation order as it can be: half of each row is pairs of large terms (x up to 2^12) that cancel exactly in
+exact arithmetic, the rest small terms, so the result is the small terms' sum and which of them a large partial sum
+absorbs depends on the order. Random data is not enough: MKL's bfloat16 GEMM at [576 x 1,536] sums a lone row (M =
+1) in another order than the base chunk, and bfloat16 rounding hides it on random rows (3 of 36,864 outputs
 differed) where these rows show it (30,026); a random probe admitted M = 1 and tests/test_row_invariance.py failed.
-The probe rows through base chunks are the reference (checked once against the same rows shifted by three
-places, so the base chunk itself is shown to ignore a row's position and neighbours); a candidate size s is
-admitted when the first s probe rows in one s-row call equal the reference bit for bit, every position of the
-call included. Why a probe is enough: the kernels choose their code path from the shape, layout, dtype and
-thread count, never from the values (the key holds all four), and only verified shapes are called; a kernel
-that branched on values (denormals, NaNs) would escape it. Found here (torch 2.13, AVX-512, 1 and 2 threads):
-oneDNN float32 admits every count for the shipped shapes but M = 1 at K = 1,536; MKL float32 all but 1-3 at one
-thread (1-3, 5-7, 9-11 at two); MKL bfloat16 all but M = 1 at K = 1,536. The probe costs ~0.01-0.1 s per
-shape, 1.4 s for SmolLM2's 49,152 x 576 head.
-"""
+The probe rows through base chunks are the reference (checked once against the same rows shifted by three places, so
+the base chunk itself is shown to ignore a row's position and neighbours); a candidate size s is admitted when the
+first s probe rows in one s-row call equal the reference bit for bit, every position of the call included. Why a
+probe is enough: the kernels choose their code path from the shape, layout, dtype and thread count, never from the
+values (the key holds all four), and only verified shapes are called; a kernel that branched on values (denormals,
+NaNs) would escape it. Found here (torch 2.13, AVX-512, 1 and 2 threads): oneDNN float32 admits every count for the
+shipped shapes but M = 1 at K = 1,536; MKL float32 all but 1-3 at one thread (1-3, 5-7, 9-11 at two); MKL bfloat16
+all but M = 1 at K = 1,536. The probe costs ~0.01-0.1 s per shape, 1.4 s for SmolLM2's 49,152 x 576 head. """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from workers.kernels.row_linear import KernelConfig
+
+class KernelConfig(Protocol):
+    """The fields of ``workers.kernels.row_linear.KernelConfig`` the check reads (what each trades: there)."""
+
+    gemm_rows: int
+    max_rows: int
+    check_sizes: bool
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # chunk [s, K] -> [s, N]
 KernelOf = Callable[[torch.Tensor], Kernel]  # weight [N, K] -> its kernel
