@@ -20,7 +20,9 @@ probe is enough: the kernels choose their code path from the shape, layout, dtyp
 values (the key holds all four), and only verified shapes are called; a kernel that branched on values (denormals,
 NaNs) would escape it. Found here (torch 2.13, AVX-512, 1 and 2 threads): oneDNN float32 admits every count for the
 shipped shapes but M = 1 at K = 1,536; MKL float32 all but 1-3 at one thread (1-3, 5-7, 9-11 at two); MKL bfloat16
-all but M = 1 at K = 1,536. The probe costs ~0.01-0.1 s per shape, 1.4 s for SmolLM2's 49,152 x 576 head. """
+all but M = 1 at K = 1,536. The probe costs ~0.01-0.1 s per shape, 1.4 s for SmolLM2's 49,152 x 576
+head.
+"""
 
 from __future__ import annotations
 
