@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 
 
-class KernelConfig(Protocol):
+class ChunkConfig(Protocol):
     """The fields of ``workers.kernels.row_linear.KernelConfig`` the check reads (what each trades: there)."""
 
     gemm_rows: int
@@ -57,7 +57,7 @@ _VERDICTS: dict[Hashable, SizeVerdicts] = {}
 
 
 def chunked_call(x: torch.Tensor, weight: torch.Tensor, kernel_of: KernelOf, key: Hashable,
-                 config: KernelConfig) -> torch.Tensor:
+                 config: ChunkConfig) -> torch.Tensor:
     """x [T, K] -> kernel_of(weight)(x) [T, N], the kernel only ever called on row counts verified for ``key``
     (see the module doc), each call on a fresh zero-padded copy of its rows (so the operand's alignment is fixed
     too)."""
@@ -79,7 +79,7 @@ def chunked_call(x: torch.Tensor, weight: torch.Tensor, kernel_of: KernelOf, key
     return parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, N]
 
 
-def admitted_sizes(key: Hashable, shape: tuple[int, int], dtype: torch.dtype, config: KernelConfig,
+def admitted_sizes(key: Hashable, shape: tuple[int, int], dtype: torch.dtype, config: ChunkConfig,
                    device: str = "cpu") -> list[int]:
     """The row counts probed so far and admitted for ``key`` at this thread count (for reports and tests)."""
     v = _VERDICTS.get((key, shape, dtype, device, torch.get_num_threads(), config.gemm_rows, config.max_rows,
@@ -102,7 +102,7 @@ def probe_operands(n: int, k: int, rows: int, dtype: torch.dtype) -> tuple[torch
 
 
 def _verdicts(kernel_of: KernelOf, full_key: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device, config: KernelConfig) -> SizeVerdicts:
+              device: torch.device, config: ChunkConfig) -> SizeVerdicts:
     found = _VERDICTS.get(full_key)
     if found is not None:
         return found
@@ -127,14 +127,14 @@ def _verdicts(kernel_of: KernelOf, full_key: Hashable, shape: tuple[int, ...], d
     return verdicts
 
 
-def candidates(config: KernelConfig) -> list[int]:
+def candidates(config: ChunkConfig) -> list[int]:
     """The row counts probed: every count up to 2 base chunks, then whole base chunks up to ``max_rows`` (a call
     of other sizes is padded to the next one: at most 1.5x the rows beyond 2 chunks, no probe per count)."""
     base = config.gemm_rows
     return sorted(set(range(1, 2 * base + 1)) | set(range(base, config.max_rows + 1, base)))
 
 
-def _plan(verdicts: SizeVerdicts, m: int, config: KernelConfig) -> tuple[int, ...]:
+def _plan(verdicts: SizeVerdicts, m: int, config: ChunkConfig) -> tuple[int, ...]:
     """Call sizes for m <= max_rows rows: the smallest admitted size >= m and below 2m (zero-padded; the base always
     is one when m < base), else base chunks."""
     plan = verdicts.plans.get(m)
