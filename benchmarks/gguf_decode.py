@@ -23,6 +23,9 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
 
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
         --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
+
+(``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
+that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 """
 
 from __future__ import annotations
@@ -123,15 +126,18 @@ OP_CLASSES = {
 }
 
 
-def _prompted_runner(path: str, quantization: str | None) -> tuple[torch.nn.Module, Any, list[int], list[int]]:
-    """(model, runner with PROMPT prefilled, its block table, PROMPT's ids)."""
+def _prompted_runner(path: str, quantization: str | None,
+                     dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, Any, list[int], list[int]]:
+    """(model, runner with PROMPT prefilled, its block table, PROMPT's ids); ``dtype`` overrides the engine's
+    choice for a float checkpoint."""
     from workers.gguf_metadata import is_gguf
     from workers.input_batch import SeqForward
     from workers.loader import checkpoint_dtype, load_model, load_tokenizer
     from workers.model_runner import ModelRunner
     from workers.worker_base import auto_dtype
 
-    dtype = None if is_gguf(path) else auto_dtype(checkpoint_dtype(path), torch.device("cpu"))  # as the engine
+    if dtype is None and not is_gguf(path):
+        dtype = auto_dtype(checkpoint_dtype(path), torch.device("cpu"))  # as the engine
     model = load_model(path, dtype=dtype, quantization=quantization)
     cfg = model.config
     runner = ModelRunner(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 33, 16, cfg.dtype, "cpu")
@@ -148,21 +154,25 @@ def _prompted_runner(path: str, quantization: str | None) -> tuple[torch.nn.Modu
     return model, runner, table, prompt
 
 
-def _chain(table: list[int], base: int, rows: int) -> list[Any]:
+def _chain(table: list[int], base: int, rows: int, batch: bool = False) -> list[Any]:
+    """One sequence's verify chain of ``rows`` nodes, or (``batch``) ``rows`` one-row decode steps (timing only:
+    they share the one block table, so each writes the same KV slot)."""
     from workers.input_batch import SeqForward
 
+    if batch:
+        return [SeqForward(table, base, [-1], [17 + i], logit_nodes=[0]) for i in range(rows)]
     return [SeqForward(table, base, list(range(-1, rows - 1)), [17 + i for i in range(rows)],
                        logit_nodes=list(range(rows)))]
 
 
-def _median_ms(runner: Any, seqs: list[Any], steps: int) -> float:
+def _median_ms(runner: Any, seqs: list[Any], steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
     import statistics
 
     walls = []
     for _ in range(steps + 2):
-        start = time.perf_counter()
+        start = clock()
         runner.forward(seqs)
-        walls.append(time.perf_counter() - start)
+        walls.append(clock() - start)
     return statistics.median(walls[2:]) * 1e3
 
 
@@ -187,12 +197,15 @@ def profile_forwards(path: str, quantization: str | None, rows_list: list[int], 
     return out
 
 
-def compare_kernels(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int) -> None:
+def compare_kernels(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int,
+                    dtype: torch.dtype | None = None, batch: bool = False, cpu_time: bool = False) -> None:
     """Wall ms per forward with the row-invariant kernels and with the plain ones (F.linear, batched SDPA, GEMM
-    head), alternating ``repeats`` times in this process; medians."""
+    head), alternating ``repeats`` times in this process; medians. ``batch``: rows are one-row decode steps of
+    that many sequences instead of one sequence's verify chain. ``cpu_time``: this process's CPU time instead of
+    the wall (one thread: the forward's own time, which a loaded machine's time-sharing leaves out)."""
     import statistics
 
-    model, runner, table, prompt = _prompted_runner(path, quantization)
+    model, runner, table, prompt = _prompted_runner(path, quantization, dtype)
     flagged = [m for m in model.modules() if hasattr(m, "row_invariant")]  # the model and its float linears
     walls: dict[tuple[int, bool], list[float]] = {}
     for _ in range(repeats):
@@ -200,8 +213,13 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
             for m in flagged:
                 m.row_invariant = on
             for rows in rows_list:
-                walls.setdefault((rows, on), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps))
-    print(f"ms per forward after a {len(prompt)}-token prompt, medians of {repeats} alternating runs")
+                seqs = _chain(table, len(prompt), rows, batch)
+                clock = time.process_time if cpu_time else time.perf_counter
+                walls.setdefault((rows, on), []).append(_median_ms(runner, seqs, steps, clock))
+    shape = "sequences decoding one row each" if batch else "rows of one verify chain"
+    print(f"{'CPU' if cpu_time else 'wall'} ms per forward after a {len(prompt)}-token prompt ({shape}, "
+          f"{next(model.parameters()).dtype}), "
+          f"medians of {repeats} alternating runs")
     print(f"{'rows':>5} {'plain':>8} {'row-invariant':>14} {'ratio':>6}")
     for rows in rows_list:
         a, b = (statistics.median(walls[(rows, on)]) for on in (False, True))
@@ -239,12 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-kernels", action="store_true",
                     help="with --profile: time each forward with the row-invariant and the plain kernels instead")
     ap.add_argument("--quantization", default=None, help="for --profile: gguf (default for a Q4 file) or none")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="with --compare-kernels, a float checkpoint in this dtype (default: the engine's choice)")
+    ap.add_argument("--batch-rows", action="store_true",
+                    help="with --compare-kernels: rows are one-row decode steps of that many sequences")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --compare-kernels: CPU time per forward instead of wall (a loaded machine)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
     if args.profile and args.compare_kernels:
         compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
-                        args.profile_steps, args.repeats)
+                        args.profile_steps, args.repeats, args.dtype and getattr(torch, args.dtype), args.batch_rows,
+                        args.cpu_time)
         return 0
     if args.profile:
         rows = print_profile(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],

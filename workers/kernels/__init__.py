@@ -7,10 +7,11 @@ other requests' rows. Float sums are not associative, so a kernel whose summatio
 rows (M), on a row's position among them or on key padding gives a row different bits in different batches.
 
 Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_invariance.py):
-- float32 / bfloat16 linear layers (``row_linear.row_invariant_linear``): BLAS is called with one fixed shape,
-  [GEMM_ROWS, K] x [K, N], the last chunk zero-padded, on a fresh aligned copy of the rows. A fixed shape means a
-  fixed kernel and blocking, so each output element is summed in one order whatever the other rows hold (MKL's
-  float32 ``F.linear`` otherwise has three regimes, M = 1, 2-15, 16+, about 1e-5 apart on a 576-wide row).
+- float32 / bfloat16 linear layers (``row_linear.row_invariant_linear``): BLAS is called only with row counts a
+  probe showed to give every row the bits of one base shape, [gemm_rows, K] x [K, N] (``row_chunks``: checked
+  per kernel, weight shape, dtype and thread count on first use), zero-padded up to an admitted count, on a fresh
+  aligned copy of the rows. Where every count is admitted (oneDNN on most shipped shapes) a call is one whole-M
+  call; elsewhere the count is padded (oneDNN at K = 1,536 sums a lone row in another order: it runs as 2 rows).
 - packed int4 (workers/quantized_linear.py): torch's kernel already sums each row alone.
 - the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
   memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).

@@ -1,19 +1,21 @@
 """``x @ W^T`` for float32 / bfloat16 weights, each row's result independent of the other rows of the call.
 
 BLAS picks its kernel, blocking and (for small M) its whole algorithm from the shape: MKL's float32 GEMM sums a
-row in one order at M = 1 (a gemv), another at 2-15 and another at 16+. Here BLAS only ever sees one shape per
-weight, [rows, K] x [K, N] (``KernelConfig.gemm_rows``), on a fresh contiguous copy of the rows (so the operand
-alignment is fixed too: MKL's results may depend on it), the last chunk padded with zeros. A fixed shape is a
-fixed kernel: each output element is a dot product summed in the same order whatever the other rows hold or
-where the row sits among them (tests/test_row_invariance.py checks both, for every M the engine makes).
+row in one order at M = 1 (a gemv), another at 2-15 and another at 16+. Here BLAS only ever sees row counts that
+a probe has shown to give every row the bits of one base shape, [gemm_rows, K] x [K, N] (workers/kernels/
+row_chunks.py: checked per kernel, weight shape, dtype and thread count on first use), on a fresh contiguous
+copy of the rows (so the operand alignment is fixed too: MKL's results may depend on it), zero-padded up to an
+admitted size. Each output element is then summed in the same order whatever the other rows hold or where the
+row sits among them (tests/test_row_invariance.py checks both, for every M the engine makes).
 
-Cost: a decode step computes ``gemm_rows`` rows where it needs one; the extra rows of a verify up to
-``gemm_rows`` are then free (the weight is read once per chunk).
+Cost: where every row count is admitted (oneDNN on the shipped shapes with K <= 960) a call is one whole-M call,
+as plain ``F.linear``; where only the base is, a decode step computes ``gemm_rows`` rows where it needs one and
+an M-row step makes M / gemm_rows calls.
 
 float32 on a CPU with oneDNN goes through oneDNN's linear on a weight packed once for ``gemm_rows`` rows (its
-blocked layout, kept beside the parameter and repacked when the parameter is written: ``Tensor._version``): the
-same fixed-shape rule, ~1.3-1.5x faster than MKL's GEMM on those shapes (measured on the built-in pair's and the
-SmolLM2 draft's layers). bfloat16, CUDA, and anything that needs gradients take ``torch.mm``.
+blocked layout, kept beside the parameter and repacked when the parameter is written: ``Tensor._version``),
+~1.3-1.5x faster than MKL's GEMM on those shapes (measured on the built-in pair's and the SmolLM2 draft's
+layers). bfloat16, CUDA, and anything that needs gradients take ``torch.mm`` through the same checked sizes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from workers.kernels.row_chunks import chunked_call
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,17 @@ class KernelConfig:
     # float32 on CPU through oneDNN's linear on a weight packed for ``gemm_rows`` rows: faster chunks, at the
     # price of a packed copy of every float32 weight (the parameter itself is kept for loading and TP slicing).
     onednn: bool = True
+    # Most rows in one call; more rows are cut into calls of this size. Larger: fewer calls for big batches and
+    # prompt chunks, more sizes to probe (one call each, on first use). A multiple of ``gemm_rows``.
+    max_rows: int = 64
+    # Call only row counts a probe showed give the base chunk's bits (workers/kernels/row_chunks.py). False
+    # trusts every size unchecked: only for showing what the check prevents.
+    check_sizes: bool = True
 
     def __post_init__(self) -> None:
-        if self.gemm_rows < 1 or self.head_gemv_bytes < 0:
-            raise ValueError(f"gemm_rows must be >= 1 and head_gemv_bytes >= 0, got {self.gemm_rows}, "
-                             f"{self.head_gemv_bytes}")
+        if self.gemm_rows < 1 or self.head_gemv_bytes < 0 or self.max_rows % self.gemm_rows:
+            raise ValueError(f"gemm_rows must be >= 1, head_gemv_bytes >= 0 and max_rows a multiple of gemm_rows, "
+                             f"got {self.gemm_rows}, {self.head_gemv_bytes}, {self.max_rows}")
 
 
 DEFAULT = KernelConfig()
@@ -49,26 +59,21 @@ DEFAULT = KernelConfig()
 
 def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: KernelConfig = DEFAULT) -> torch.Tensor:
-    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N] in x's dtype, BLAS called on [rows, K] chunks only."""
+    """x [T, K] @ weight [N, K]^T (+ bias) -> [T, N] in x's dtype, BLAS called on checked row counts only."""
     t, k = x.shape
     if t == 0:
         return x.new_empty(0, weight.shape[0])  # [0, N]
-    rows = config.gemm_rows
-    chunks = -(-t // rows)
-    padded = x.new_zeros(chunks * rows, k)  # [C * rows, K]: fresh, so aligned like every other call's operand
-    padded[:t] = x
-    mm = _packed_mm(weight, rows) if onednn_chunks(weight, config) and _onednn_ok(x, weight) else None
-    if mm is not None:
-        out = torch.cat([mm(padded[c * rows:(c + 1) * rows]) for c in range(chunks)])[:t]  # [T, N]
-        return out if bias is None else out + bias
-    wt = weight.t()  # [K, N] (a view: the orientation F.linear hands MKL)
-    if chunks == 1:
-        out = torch.mm(padded, wt)[:t]  # [T, N]
+    if onednn_chunks(weight, config) and _onednn_ok(x, weight):
+        out = chunked_call(x, weight, lambda w: _packed_mm(w, config.gemm_rows), "onednn", config)  # [T, N]
     else:
-        aligned = rows * k * x.element_size() % 64 == 0  # each chunk's view starts on a 64-byte boundary
-        parts = [padded[c * rows:(c + 1) * rows] for c in range(chunks)]  # [rows, K] each
-        out = torch.cat([torch.mm(p if aligned else p.clone(), wt) for p in parts])[:t]
+        out = chunked_call(x, weight, _mm, "mm", config)  # [T, N]
     return out if bias is None else out + bias
+
+
+def _mm(weight: torch.Tensor):
+    """``chunk [rows, K] -> [rows, N]`` through ``torch.mm`` (MKL on a CPU, cuBLAS on a GPU)."""
+    wt = weight.t()  # [K, N] (a view: the orientation F.linear hands MKL)
+    return lambda chunk: torch.mm(chunk, wt)
 
 
 def onednn_chunks(weight: torch.Tensor, config: KernelConfig = DEFAULT) -> bool:
