@@ -86,7 +86,10 @@ def replica_deployment(config: ReplicaAppConfig) -> Any:
 
 def build_app(args: ReplicaAppConfig | dict[str, Any]) -> Any:
     """The Serve application (``serve.run(build_app(...))``, or a Serve config file's ``import_path``)."""
+    from engine.server.auth import resolve_api_key
+
     config = args if isinstance(args, ReplicaAppConfig) else ReplicaAppConfig.from_dict(args)
+    resolve_api_key(config.host, config.api_key)  # an open bind without a key fails here, before anything starts
     replicas = replica_deployment(config).bind(config.engine, config.served_model_name, config.max_queue,
                                                config.cores)
     ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
