@@ -8,6 +8,7 @@ One Ray and one Serve for the module; every wait is bounded. Slow: each engine r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -80,9 +81,9 @@ async def complete(client: httpx.AsyncClient, url: str, prompt: str) -> str:
         assert r.status_code == 200, (await r.aread()).decode()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
-                parts.append(json.loads(line[6:])["choices"][0]["text"])
+                event = json.loads(line[6:])
+                assert "error" not in event, event  # a stream that broke off mid-way
+                parts.append(event["choices"][0]["text"])
     return "".join(parts)
 
 

@@ -92,6 +92,7 @@ def build_app(args: ReplicaAppConfig | dict[str, Any]) -> Any:
     resolve_api_key(config.host, config.api_key)  # an open bind without a key fails here, before anything starts
     replicas = replica_deployment(config).bind(config.engine, config.served_model_name, config.max_queue,
                                                config.cores)
-    ingress = serve.deployment(Ingress).options(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                                                max_ongoing_requests=INGRESS_MAX_ONGOING)
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0, "resources": dict(config.ingress_resources)})
     return ingress.bind(replicas, config)

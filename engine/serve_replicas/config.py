@@ -56,6 +56,9 @@ class ReplicaAppConfig:
     api_key: str | None = None  # default: $SPECSERVE_API_KEY
     max_queue: int = 256  # per replica, as the one-engine server's --max-queue
     data_dir: str | None = None  # the Batch API's store, held by the ingress alone
+    # Ray custom resources the ingress asks for: on Kubernetes, one the node with the job store's volume offers
+    # (the head), so the ingress and its store land together.
+    ingress_resources: dict[str, float] = field(default_factory=dict)
     batch_max_in_flight: int | None = None
     # Seconds a replica being removed (scale-down, redeploy) keeps serving its open streams: longer than the
     # longest request, or those streams are cut (and resumed elsewhere by the ingress).
