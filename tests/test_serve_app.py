@@ -39,3 +39,18 @@ def test_a_resumed_request_enters_the_engine_with_its_tokens_so_far():
     assert calls == [(("r1", [1], "params"), {"priority": 1, "output_token_ids": [5, 6]}),
                      (("r2", [1], "params"), {})]
     assert resume == {} and wrapped.max_model_len == 64
+
+
+def test_replica_counters_sum_into_one_engine_view_that_never_falls():
+    from engine.serve_replicas.replica_metrics import sum_stats
+    from engine.server.metrics import EngineStats
+
+    a = EngineStats(num_running=2, kv_cache_usage=0.5, num_drafts=3, num_draft_tokens=12, num_accepted_tokens=7,
+                    accepted_per_position=(3, 2), chosen_depths=(("4", 3),), prefix_cache_queries=100,
+                    prefix_cache_hits=64)
+    b = EngineStats(num_running=1, kv_cache_usage=0.1, num_drafts=1, num_draft_tokens=4, num_accepted_tokens=4,
+                    accepted_per_position=(1, 1, 1, 1), chosen_depths=(("0", 5), ("4", 1)), prefix_cache_queries=10)
+    s = sum_stats([a, b])
+    assert (s.num_running, s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 4, 16, 11)
+    assert s.accepted_per_position == (4, 3, 1, 1) and dict(s.chosen_depths) == {"0": 5, "4": 4}
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (110, 64) and abs(s.kv_cache_usage - 0.3) < 1e-9

@@ -125,6 +125,22 @@ def test_two_replicas_stream_to_the_official_client_and_a_killed_replica_loses_n
     per_replica = [ln for ln in httpx.get(serve_url + "/metrics").text.splitlines()
                    if ln.startswith("specserve:replica_requests_total{")]
     assert len(per_replica) == 2, per_replica  # both replicas served, each labeled
+    assert metric(serve_url, "specserve:prefix_cache_queries_total") > 0  # the replicas' engine counters, summed
+    # The Batch API: one job store (the ingress's), its lines spread over the replicas like online requests.
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "specserve-default", "prompt": p, "max_tokens": MAX_TOKENS,
+                                         "temperature": 0}}) + "\n" for i, p in enumerate(PROMPTS[:4]))
+    fid = httpx.post(serve_url + "/v1/files", files={"file": ("b.jsonl", lines)},
+                     data={"purpose": "batch"}).json()["id"]
+    batch = httpx.post(serve_url + "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions"}).json()
+    deadline = time.monotonic() + 120
+    while batch["status"] not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.5)
+        batch = httpx.get(f"{serve_url}/v1/batches/{batch['id']}").json()
+    out = httpx.get(f"{serve_url}/v1/files/{batch['output_file_id']}/content").text.splitlines()
+    texts = {json.loads(ln)["custom_id"]: json.loads(ln)["response"]["body"]["choices"][0]["text"] for ln in out}
+    assert [texts[f"c{i}"] for i in range(4)] == reference[:4]
     survived = asyncio.run(load(True))
     assert survived == reference  # greedy: resumed from the tokens so far, the same text
     assert metric(serve_url, "specserve:replica_streams_lost_total") >= 1  # the kill did cut streams
@@ -169,6 +185,8 @@ def test_autoscaling_one_two_one_under_load_fails_no_request(serve_url, tmp_path
     assert not errors, errors
     assert seen == [1, 2, 1]
     assert all(len(v) == 1 for v in texts.values()), "a greedy prompt gave two different texts"
+    # Drained, not cut: the replica removed finished its streams (a cut one would be resumed, but counted here).
+    assert metric(serve_url, "specserve:replica_streams_lost_total") == 0
 
 
 def serve_status_transitioning() -> bool:

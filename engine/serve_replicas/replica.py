@@ -14,7 +14,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.serve_replicas.wire import Accepted, ReplicaError, ReplicaRequest
+from engine.serve_replicas.wire import Accepted, ReplicaError, ReplicaRequest, ReplicaStats
 from engine.server.streams import EngineUnavailableError, QueueFullError
 
 logger = logging.getLogger("specserve.replicas")
@@ -83,6 +83,8 @@ class EngineReplica:
         yield Accepted(self.replica_id)
         try:
             async for delta in stream:
+                if delta.finished:
+                    yield ReplicaStats(self.replica_id, self.engine.stats)
                 yield delta
         except EngineUnavailableError as e:
             yield ReplicaError("unavailable", str(e))

@@ -15,10 +15,10 @@ import logging
 import time
 from typing import Any
 
-from engine.serve_replicas.replica_metrics import ReplicaMetrics
-from engine.serve_replicas.wire import Accepted, ReplicaError, ReplicaRequest
+from engine.serve_replicas.replica_metrics import ReplicaMetrics, sum_stats
+from engine.serve_replicas.wire import Accepted, ReplicaError, ReplicaRequest, ReplicaStats
 from engine.server.health import Health
-from engine.server.metrics import ServerMetrics
+from engine.server.metrics import EngineStats, ServerMetrics
 from engine.server.streams import EngineUnavailableError, QueueFullError, RequestStream
 
 logger = logging.getLogger("specserve.replicas")
@@ -52,6 +52,7 @@ class RoutedEngine:
         self.metrics = metrics
         self.replica_metrics = ReplicaMetrics(metrics.model_name, metrics.registry) if metrics is not None else None
         self._pumps: dict[str, asyncio.Task] = {}
+        self._replica_stats: dict[str, EngineStats] = {}  # each replica's latest snapshot
         self._stopped = False
         self.started = False
         if metrics is not None:
@@ -95,6 +96,13 @@ class RoutedEngine:
             raise
         return stream
 
+    def _observe_stats(self, item: ReplicaStats) -> None:
+        self._replica_stats[item.replica] = item.stats
+        if self.replica_metrics is not None:
+            self.replica_metrics.engine_stats(item.replica, item.stats)
+        if self.metrics is not None:  # the server's usual names, over all replicas
+            self.metrics.observe_stats(sum_stats(list(self._replica_stats.values())))
+
     def abort(self, request_id: str) -> None:
         task = self._pumps.pop(request_id, None)
         if task is not None:
@@ -116,6 +124,9 @@ class RoutedEngine:
                             rm.accepted(replica)
                         if not accepted.done():
                             accepted.set_result(None)
+                        continue
+                    if isinstance(item, ReplicaStats):
+                        self._observe_stats(item)
                         continue
                     if isinstance(item, ReplicaError):
                         err = _refusal(item)

@@ -1,6 +1,7 @@
 """What the ingress and a replica pass each other through Ray Serve handles (Ray's own channel, no socket of ours).
 
-A replica answers a request with a stream of items: ``Accepted``, then the engine's ``RequestDelta``s
+A replica answers a request with a stream of items: ``Accepted``, the engine's ``RequestDelta``s (a
+``ReplicaStats`` before the last)
 (engine/core/outputs.py), or one ``ReplicaError`` that ends the stream. A refusal is an item, not a raised
 exception, so that any exception the handle raises is a replica that failed (died, unreachable): the ingress
 retries those elsewhere.
@@ -28,6 +29,15 @@ class Accepted:
     """The first item of every accepted request's stream: the engine took it; which replica holds it."""
 
     replica: str
+
+
+@dataclass
+class ReplicaStats:
+    """The replica's engine counters (cumulative ``EngineStats``), sent just before a stream's last delta: the
+    ingress sums the latest of every replica into the server's usual spec-decode and prefix-cache metrics."""
+
+    replica: str
+    stats: Any  # EngineStats
 
 
 @dataclass
