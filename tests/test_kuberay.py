@@ -1,13 +1,11 @@
 """deploy/kuberay: the manifests are well-formed, use only KubeRay's RayService / RayCluster fields, give each
-engine replica the GPUs its TP size needs, probe /health, and the embedded Serve config runs (slow)."""
+engine replica the GPUs its TP size needs, and probe /health. The embedded Serve config runs on a local Ray in
+tests/test_serve_replicas.py (the autoscaling test), which shares that module's Ray and Serve."""
 
 from __future__ import annotations
 
 import os
-import socket
-import time
 
-import pytest
 import yaml
 
 from engine.serve_replicas.config import ReplicaAppConfig
@@ -91,47 +89,3 @@ def test_dockerfile_installs_the_cuda_torch_before_the_package_and_matches_the_r
     assert "rayproject/ray:2.60.0-" in text
     torch_at, package_at = text.index("torch==2.13.0 --index-url"), text.index("pip install --no-cache-dir .")
     assert torch_at < package_at
-
-
-@pytest.mark.slow
-def test_the_embedded_serve_config_runs_locally(tmp_path):
-    """The RayService's serveConfigV2 as Serve would run it, with only what a CPU box must change: device, model
-    (the built-in pair), one small replica, loopback, a local job store, no custom resources."""
-    import httpx
-    import ray
-    from ray import serve
-
-    from engine.execution.loopback import ray_on_loopback
-    from engine.serve_replicas.app import build_app
-    from engine.serve_replicas.serve_cli import wait_healthy
-
-    svc = next(d for d in load("rayservice.yaml") if d["kind"] == "RayService")
-    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
-    args = dict(app["args"])
-    args.update(host="127.0.0.1", data_dir=str(tmp_path / "jobs"), ingress_resources={}, replicas=1,
-                autoscaling={**args["autoscaling"], "max_replicas": 1})
-    args["engine"] = {**args["engine"], "device": "cpu", "target": None, "speculative_config": None,
-                      "max_num_seqs": 4}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if ray.is_initialized():
-        ray.shutdown()
-    with ray_on_loopback():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        module, attr = app["import_path"].split(":")
-        assert f"{module}:{attr}" == "engine.serve_replicas.app:build_app"
-        serve.run(build_app(args), name=app["name"], route_prefix=app["route_prefix"], blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 180)
-        t0 = time.monotonic()
-        r = httpx.post(url + "/v1/completions", json={"model": "my-model", "prompt": "def fib(n):", "max_tokens": 8},
-                       timeout=60)
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 8 and time.monotonic() - t0 < 60
-        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "my-model"
-    finally:
-        serve.shutdown()
-        ray.shutdown()

@@ -49,13 +49,13 @@ def serve_url():
     ray.shutdown()
 
 
-def deploy(url: str, data_dir: str, **args) -> None:
+def deploy(url: str, **args) -> None:
     from ray import serve
 
     from engine.serve_replicas.app import build_app
     from engine.serve_replicas.serve_cli import wait_healthy
 
-    config = {"engine": {"max_num_seqs": 8}, "data_dir": data_dir, "graceful_shutdown_timeout_s": 60.0, **args}
+    config = {"engine": {"max_num_seqs": 8}, "graceful_shutdown_timeout_s": 60.0, **args}
     serve.run(build_app(config), name=APP, route_prefix="/", blocking=False)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -99,7 +99,7 @@ def test_two_replicas_stream_to_the_official_client_and_a_killed_replica_loses_n
     import openai
     from ray import serve
 
-    deploy(serve_url, str(tmp_path / "jobs"), replicas=2)
+    deploy(serve_url, data_dir=str(tmp_path / "jobs"), replicas=2)
     assert running_replicas() == 2
     client = openai.OpenAI(base_url=serve_url + "/v1", api_key="unused", timeout=120)
     chunks = list(client.completions.create(model="specserve-default", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
@@ -146,10 +146,31 @@ def test_two_replicas_stream_to_the_official_client_and_a_killed_replica_loses_n
     assert metric(serve_url, "specserve:replica_streams_lost_total") >= 1  # the kill did cut streams
 
 
+def manifest_args(data_dir: str) -> dict:
+    """The RayService's embedded Serve config (deploy/kuberay/rayservice.yaml) with what a CPU box must change:
+    the device and model (the built-in pair), loopback, a local job store, no custom resources."""
+    import yaml
+
+    path = os.path.join(os.path.dirname(__file__), "..", "deploy", "kuberay", "rayservice.yaml")
+    with open(path) as f:
+        svc = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "RayService")
+    (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "engine.serve_replicas.app:build_app"
+    args = dict(app["args"])
+    args.update(host="127.0.0.1", data_dir=data_dir, ingress_resources={}, served_model_name="specserve-default")
+    args["engine"] = {**args["engine"], "device": "cpu", "target": None, "speculative_config": None,
+                      "max_num_seqs": 8}
+    return args
+
+
 def test_autoscaling_one_two_one_under_load_fails_no_request(serve_url, tmp_path):
-    deploy(serve_url, str(tmp_path / "jobs"), replicas=1,
-           autoscaling={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
-                        "upscale_delay_s": 1.0, "downscale_delay_s": 2.0})
+    """Runs the KubeRay manifest's Serve config (tests/test_kuberay.py checks the manifest itself), its
+    autoscaling bounds and delays shortened to fit a test."""
+    args = manifest_args(str(tmp_path / "jobs"))
+    args.update(replicas=1, graceful_shutdown_timeout_s=60.0,
+                autoscaling={**args["autoscaling"], "min_replicas": 1, "max_replicas": 2,
+                             "target_ongoing_requests": 2, "upscale_delay_s": 1.0, "downscale_delay_s": 2.0})
+    deploy(serve_url, **args)
     assert running_replicas() == 1
     errors: list[BaseException] = []
     texts: dict[str, set[str]] = {}
