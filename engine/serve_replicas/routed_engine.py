@@ -128,6 +128,8 @@ class RoutedEngine:
                     if isinstance(item, ReplicaStats):
                         self._observe_stats(item)
                         continue
+                    if isinstance(item, ReplicaError) and item.kind == "unavailable":
+                        raise ReplicaFailed(item.message)  # its engine is down or restarting: try another
                     if isinstance(item, ReplicaError):
                         err = _refusal(item)
                         if not accepted.done():
