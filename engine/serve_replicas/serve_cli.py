@@ -94,7 +94,10 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     if started_ray and args.address:
         ray.init(address=args.address, log_to_driver=False)
     elif started_ray:
-        cpus = max(os.cpu_count() or 1, int(config.max_replicas * config.replica_num_cpus))
+        # Logical CPUs are reservations: each replica's own one, plus (CPU engines with Ray workers) a bundle per
+        # target rank and one for the draft, as the one-engine server's local Ray does.
+        workers = config.engine.tensor_parallel_size + 1 if config.engine.tensor_parallel_size > 1 else 0
+        cpus = max(os.cpu_count() or 1, int(config.max_replicas * (config.replica_num_cpus + workers)))
         with ray_on_loopback():
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
