@@ -56,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "(default: 60; raise it for large uploads over slow links)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every request (to stderr)")
+    from engine.serve_replicas.serve_cli import add_replica_args
+
+    add_replica_args(p)  # --replicas N: the same server as N engines behind one endpoint on Ray Serve
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -81,6 +84,10 @@ def _log_config(level: str) -> dict:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        from engine.serve_replicas.serve_cli import cmd_serve_replicas
+
+        return cmd_serve_replicas(args)
     import uvicorn
 
     from engine.core.args import EngineArgs
