@@ -295,7 +295,9 @@ class Scheduler:
 
     def _attach_cached(self, req: Request) -> int:
         """Start a request that holds no blocks on its cached prefix; the target's hit in tokens."""
-        if not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables:
+        # prompt logprobs need every prompt row's logits, which a cached prefix never computes (vLLM skips too)
+        if (not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables
+                or req.params.prompt_logprobs is not None):
             return 0
         bs = self.target_blocks.block_size
         limit = (req.prefill_end - 1) // bs  # never the last prefill token's block

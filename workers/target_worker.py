@@ -11,6 +11,7 @@ id the controller passes along: only the rank that verifies ever holds them.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -18,7 +19,17 @@ import torch
 from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
-from workers.messages import ONE_HOT_TREE, CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
+from workers.logprobs import prefill_logit_nodes, prefill_logprobs, verify_logprobs
+from workers.messages import (
+    ONE_HOT_TREE,
+    CommitSpec,
+    PrefillSeq,
+    TargetStep,
+    TargetStepOutput,
+    TokenLogprobs,
+    VerifyResult,
+    VerifySeq,
+)
 from workers.sampling import logits_to_probs, sample
 from workers.streams import TARGET_SALT, stream
 from workers.tree_topology import scratch_parents
@@ -73,16 +84,26 @@ class TargetWorker(WorkerBase):
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
+        for piece, p in zip(pieces, msg.prefills, strict=True):
+            piece.logit_nodes = prefill_logit_nodes(p)  # every row when it asks for prompt logprobs (echo)
+        num_pre = sum(len(piece.logit_nodes) for piece in pieces)
         pieces += [_verify_piece(s) for s in msg.seqs]
-        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
+        logits = self.runner.forward(pieces)  # [prefill rows + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
         results: list[VerifyResult] = []
         laws_error = None
+        first_lp: dict[int, TokenLogprobs] = {}
+        prompt_lp: dict[int, TokenLogprobs] = {}
         if self.tp.is_first:
-            first_tokens = self._sample_first(sampled, logits[: len(sampled)])
+            ends = list(itertools.accumulate(len(piece.logit_nodes) for piece in pieces[: len(msg.prefills)]))
+            last = [e - 1 for e, p in zip(ends, msg.prefills, strict=True) if p.sample is not None]
+            last_rows = torch.tensor(last, dtype=torch.long, device=logits.device)  # each sampled chunk's last row
+            first_tokens = self._sample_first(sampled, logits[: len(sampled)] if num_pre == len(sampled) else
+                                              logits.index_select(0, last_rows))
+            first_lp, prompt_lp = prefill_logprobs(msg.prefills, logits[:num_pre], first_tokens)
             try:
-                results = self._verify(msg.seqs, logits[len(sampled):])
+                results = self._verify(msg.seqs, logits[num_pre:])
             except LawsUnavailable as e:
                 # Not raised past the broadcast: the other ranks wait in it, and a rank that skipped it would
                 # leave the group's collectives out of step for every later call. No path is accepted; the
@@ -96,7 +117,9 @@ class TargetWorker(WorkerBase):
         self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])
         if laws_error is not None:
             return TargetStepOutput({}, [], time.perf_counter() - start, laws_error)
-        return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
+        lp = first_lp | verify_logprobs(msg.seqs, logits[num_pre:], results) if self.tp.is_first else {}
+        return TargetStepOutput(first_tokens, results, time.perf_counter() - start, logprobs=lp,
+                                prompt_logprobs=prompt_lp)
 
     def _features(self, msg: TargetStep, results: list[VerifyResult]) -> list[SeqFeatures]:
         """The captured hidden states of every row now committed: prompt chunks, in-flight tokens, accepted paths."""

@@ -18,6 +18,7 @@ import time
 from engine.core.config import EngineConfig
 from engine.core.draft_setup import draft_setup
 from engine.core.intake import prompt_token_ids, resume
+from engine.core.logprobs import LogprobRecorder
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
@@ -102,6 +103,7 @@ class LLMEngine:
         self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
         self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
         self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
+        self.logprobs = LogprobRecorder()  # asks the target for logprobs and hands them out with the deltas
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
         self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
@@ -240,7 +242,7 @@ class LLMEngine:
                     if self.recovery is None:
                         raise
                     self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
-            return self._take_deltas()
+            return self.logprobs.attach(self._take_deltas(), self._finished_outputs)
         except BaseException as e:
             self._dead = e
             raise
@@ -302,9 +304,9 @@ class LLMEngine:
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
-        self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
+        self.executor.submit_target(self.logprobs.ask(self._target_step(batch, trees, finished_ids), batch))
         self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
-        out = self.executor.wait_target()
+        out = self.logprobs.took(self.executor.wait_target(), batch)  # verify's outcome
         clock.lap("verify_wall_s", verify_s=out.elapsed_s)
         num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side, then the outcome
         clock.lap("collect_s")
@@ -339,10 +341,9 @@ class LLMEngine:
             self._emit(req, res.tokens)
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append what the round produced, up to a stop; True when the request is finished.
-
-        The one place where tokens join a request and a finished request is finalised: the step's deltas are
-        recorded here (and in ``_apply_aborts``)."""
+        """Append what the round produced, up to a stop; True when the request is finished. The one place where
+        tokens join a request and a finished request is finalised: the step's deltas are recorded here (and in
+        ``_apply_aborts``)."""
         checker = self._stop[req.seq_id]
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()
