@@ -99,6 +99,8 @@ class ServingExecutor:
 def _no_stream(req: Any) -> None:
     if req.stream:
         raise APIError(400, "stream: not supported in a batch (results are written to the output file)", "stream")
+    if any(v is not None for v in req.logprob_fields().values()) or getattr(req, "echo", None):
+        raise APIError(400, "logprobs: not supported in a batch yet (nor echo); send it online", "logprobs")
 
 
 async def _collect(stream: RequestStream) -> tuple[str, int, str | None, dict | None]:

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response
 
 from engine.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from engine.server.logprobs import CompletionFormat, TokenTexts, chat_logprobs
 from engine.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatChoice,
@@ -171,32 +172,36 @@ class Serving:
         streams = await self.submit(rid, prompts, [params] * len(prompts), "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
         ids = self.tokenizer is None if req.return_token_ids is None else req.return_token_ids
+        fmt = CompletionFormat(TokenTexts(self.tokenizer), req.prompts(), prompts, bool(req.echo),
+                               req.logprobs is not None)
         if req.stream:
-            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage, ids))
+            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage, ids,
+                                                               fmt))
         results = await self._collect_unless_gone(streams, raw)
         if results is None:
             return Response(status_code=499)  # the client left; nobody reads this
         return _json(CompletionResponse(
             id=rid, model=self.config.served_model_name,
-            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                      token_ids=r.token_ids if ids else None)
+            choices=[CompletionChoice(index=i, **fmt.whole(i, r.text, r.token_ids, r.logprobs, r.prompt_logprobs),
+                                      finish_reason=r.finish_reason, token_ids=r.token_ids if ids else None)
                      for i, r in enumerate(results)],
             usage=_usage(prompt_tokens, results), spec_decode=SpecDecodeInfo.combine([r.metrics for r in results])))
 
     async def _completion_events(self, rid: str, streams: list[RequestStream], prompt_tokens: int,
-                                 include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+                                 include_usage: bool, token_ids: bool, fmt: CompletionFormat) -> AsyncIterator[bytes]:
         created, model = _now(), self.config.served_model_name
         finals: dict[int, Any] = {}
         try:
             async for i, d in self._merged(streams):
-                if not d.new_text and not d.finished and not (token_ids and d.new_token_ids):
-                    continue  # tokens that do not complete a character yet
+                if not d.new_text and not d.finished and not ((token_ids or fmt.logprobs) and d.new_token_ids):
+                    continue  # tokens that do not complete a character yet (a token's logprob never waits)
                 if d.finished:
                     finals[i] = d
                 yield _sse(CompletionResponse(
                     id=rid, created=created, model=model,
-                    choices=[CompletionChoice(index=i, text=d.new_text, finish_reason=d.finish_reason
-                                              if d.finished else None,
+                    choices=[CompletionChoice(index=i, **fmt.chunk(i, d.new_text, d.new_token_ids, d.logprobs,
+                                                                   d.prompt_logprobs),
+                                              finish_reason=d.finish_reason if d.finished else None,
                                               token_ids=list(d.new_token_ids) if token_ids else None)],
                     spec_decode=SpecDecodeInfo.combine([d.metrics]) if d.finished else None))
             if include_usage:
@@ -232,25 +237,29 @@ class Serving:
         if results is None:
             return Response(status_code=499)
         r = results[0]
+        lp = None if r.logprobs is None else chat_logprobs(TokenTexts(self.tokenizer), r.logprobs)
         return _json(ChatCompletionResponse(
             id=rid, model=self.config.served_model_name,
-            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason)],
+            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
+                                logprobs=lp)],
             usage=_usage(len(ids), results), spec_decode=SpecDecodeInfo.combine([r.metrics])))
 
     async def _chat_events(self, rid: str, stream: RequestStream, prompt_tokens: int,
                            include_usage: bool) -> AsyncIterator[bytes]:
         created, model = _now(), self.config.served_model_name
+        texts = TokenTexts(self.tokenizer)
 
-        def chunk(delta: DeltaMessage, finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(delta: DeltaMessage, finish: str | None = None, logprobs: Any = None, **extra: Any) -> bytes:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=model, **extra, choices=[
-                ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]))
+                ChatChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)]))
 
         try:
             yield chunk(DeltaMessage(role="assistant", content=""))
             last = None
             async for d in stream:
-                if d.new_text or d.finished:
+                if d.new_text or d.finished or d.logprobs:
                     yield chunk(DeltaMessage(content=d.new_text or None), d.finish_reason if d.finished else None,
+                                None if d.logprobs is None else chat_logprobs(texts, d.logprobs),
                                 spec_decode=SpecDecodeInfo.combine([d.metrics]) if d.finished else None)
                 last = d
             if include_usage:
@@ -317,15 +326,20 @@ class _Result:
     finish_reason: str | None
     metrics: dict | None
     token_ids: list[int]
+    logprobs: list[Any] | None = None  # engine/core/outputs.py Logprob, one per token, when asked
+    prompt_logprobs: list[Any] | None = None
 
 
 async def _collect(stream: RequestStream) -> _Result:
-    parts, ids, last = [], [], None
+    parts, ids, last, lps, prompt_lps = [], [], None, None, None
     async for d in stream:
         parts.append(d.new_text)
         ids += d.new_token_ids
+        if d.logprobs is not None:
+            lps = (lps or []) + d.logprobs
+        prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
         last = d
-    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics, ids)
+    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics, ids, lps, prompt_lps)
 
 
 async def _collect_all(streams: list[RequestStream]) -> list[_Result]:
