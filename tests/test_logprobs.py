@@ -133,3 +133,24 @@ def test_limits_name_the_field(field: str) -> None:
         SamplingParams(**{field: MAX_LOGPROBS + 1})
     with pytest.raises(ValueError, match="logprobs_mode must be one of"):
         SamplingParams(logprobs_mode="processed_logits")
+
+
+def test_generate_job_lines_carry_logprobs_when_asked(llama) -> None:
+    import io
+    import json
+
+    from engine.jobs.generate import run_batch
+
+    lines = [json.dumps({"id": "a", "prompt_token_ids": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                         "logprobs": 2, "prompt_logprobs": 1}),
+             json.dumps({"id": "b", "prompt_token_ids": PROMPTS[0], "max_tokens": 4, "temperature": 0})]
+    out = io.StringIO()
+    with LLM(llama.target, None) as llm:
+        run_batch(llm.engine, lines, out, {}, progress=False)
+        whole = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, logprobs=2))[0]
+    a, b = (json.loads(s) for s in out.getvalue().splitlines())
+    assert [e["token_id"] for e in a["logprobs"]] == a["token_ids"] == whole.token_ids
+    assert [e["logprob"] for e in a["logprobs"]] == [e.logprob for e in whole.logprobs]
+    assert all(len(e["top"]) == 2 for e in a["logprobs"])
+    assert a["prompt_logprobs"][0] is None and [e["token_id"] for e in a["prompt_logprobs"][1:]] == PROMPTS[0][1:]
+    assert "logprobs" not in b and "prompt_logprobs" not in b
