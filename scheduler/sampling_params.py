@@ -19,6 +19,7 @@ Ranges:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -57,6 +58,9 @@ class SamplingParams:
     logprobs: int | None = None  # k: each emitted token's logprob and its k most likely alternatives
     prompt_logprobs: int | None = None  # k: the same for the prompt's tokens (echo); bypasses the prefix cache
     logprobs_mode: str = "raw_logprobs"
+    # A copy of a prompt queued just before it (n > 1): admitted once that prompt's prefill is committed, so it
+    # starts on the cached blocks (scheduler ``_twin_prefilling``) instead of computing the same prefix again.
+    after_twin: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,12 +113,24 @@ class SamplingParams:
                 _check_int(name, k)
                 if not 0 <= k <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {_short(k)}")
+        if not isinstance(self.after_twin, bool):
+            raise ValueError(f"after_twin must be true or false, got {self.after_twin!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+
+def sample_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n independent samples of one prompt: copy j draws from its own stream, seed + j when seeded (vLLM's rule,
+    wrapped into 64 bits), a private random seed each when not; copies 1.. wait for copy 0's cached prefix."""
+    out = []
+    for j in range(n):
+        seed = None if params.seed is None else (params.seed + j - SEED_MIN) % (1 << 64) + SEED_MIN
+        out.append(dataclasses.replace(params, seed=seed, after_twin=j > 0))
+    return out
 
 
 def _check_int(name: str, v: object) -> None:
