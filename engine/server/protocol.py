@@ -1,7 +1,7 @@
 """OpenAI request and response bodies as pydantic models, with OpenAI's field names.
 
 Requests are strict (no "1" for 1, no unknown fields): a body that does not match is a 400 naming the field.
-Fields OpenAI defines that specserve does not implement (n > 1, best_of, logit_bias, penalties, tools, ...) are
+Fields OpenAI defines that specserve does not implement (best_of > n, logit_bias, penalties, tools, ...) are
 accepted only at their "off" value and otherwise refused with a 400 that says so — never ignored.
 Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``.
 """
@@ -27,7 +27,7 @@ def _is_off(name: str, value: Any) -> bool:
     """Whether an unsupported OpenAI field holds its neutral value (so sending it changes nothing)."""
     if value is None:
         return True
-    if name in ("n", "best_of"):
+    if name == "best_of":
         return type(value) is int and value == 1
     if name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         return type(value) in (int, float) and value == (1 if name == "repetition_penalty" else 0)
@@ -46,8 +46,6 @@ def _is_off(name: str, value: Any) -> bool:
 
 def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
     if not _is_off(info.field_name, value):
-        if info.field_name == "n":
-            raise ValueError("only n=1 is supported (one choice per prompt)")
         raise ValueError(f"{info.field_name} is not supported by specserve")
     return value
 
@@ -72,14 +70,14 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs_mode: str | None = None  # vLLM's names (SamplingParams.logprobs_mode): which values logprobs carry
+    n: int | None = Field(None, ge=1)  # choices per prompt: independent samples (the server's max_n bounds it)
     # OpenAI fields specserve does not implement: only their neutral value is accepted
-    n: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
 
-    @field_validator("n", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    @field_validator("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
@@ -130,10 +128,18 @@ class CompletionRequest(_SamplingRequest):
     # load test measured no time to first token).
     return_token_ids: bool | None = None
 
-    @field_validator("best_of", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported_completion(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or (type(v) is int and v == (info.data.get("n") or 1)):
+            return v  # best_of == n: every sample is returned, nothing is chosen
+        raise ValueError("best_of > n is not supported by specserve (it would rank samples on the server); ask "
+                         "for n samples with logprobs and choose on the client")
 
     @field_validator("logprobs")
     @classmethod
