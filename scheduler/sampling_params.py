@@ -61,6 +61,9 @@ class SamplingParams:
     # A copy of a prompt queued just before it (n > 1): admitted once that prompt's prefill is committed, so it
     # starts on the cached blocks (scheduler ``_twin_prefilling``) instead of computing the same prefix again.
     after_twin: bool = False
+    # vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice, grammar (Lark); the
+    # output is masked to the grammar at every verified node (engine/structured/); compiled when queued.
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +116,11 @@ class SamplingParams:
                 _check_int(name, k)
                 if not 0 <= k <= MAX_LOGPROBS:
                     raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {_short(k)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError("structured_outputs must be an object such as {\"json\": SCHEMA} or {\"regex\": R}")
+            if self.ignore_eos:  # a finished grammar allows only EOS: ignoring it would run past the grammar
+                raise ValueError("structured_outputs cannot be combined with ignore_eos")
         if not isinstance(self.after_twin, bool):
             raise ValueError(f"after_twin must be true or false, got {self.after_twin!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

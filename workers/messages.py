@@ -38,6 +38,7 @@ class PrefillSeq:
     # alternatives; next_token is the prompt token after the chunk (-1: the chunk ends the prompt).
     prompt_logprobs: int = -1
     next_token: int = -1
+    allowed: Any = None  # [1, ceil(V / 32)] int32: a grammar's packed mask for the first token (grammar_mask.py)
 
 
 @dataclass
@@ -151,6 +152,9 @@ class VerifySeq:
     # (the first len(tree_tokens) nodes of that tree); -1 for greedy requests (one-hot by construction);
     # ONE_HOT_TREE: every node's law is one-hot at its own token (deterministic proposals), built by the verifier.
     tree_id: int = -1
+    # A grammar request's packed masks, one row per logits row (row 0 at the root, row i + 1 after node i):
+    # [N + 1, ceil(V / 32)] int32 tensor, bit t of a row set = token t allowed (engine/structured/masks.py).
+    allowed: Any = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ import time
 import torch
 
 from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
+from workers.grammar_mask import apply_allowed
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
 from workers.logprobs import prefill_logit_nodes, prefill_logprobs, verify_logprobs
@@ -137,6 +138,9 @@ class TargetWorker(WorkerBase):
         if not sampled:
             return {}
         specs = [p.sample for p in sampled]
+        if any(p.allowed is not None for p in sampled):  # a grammar's mask for the first token
+            logits = torch.cat([apply_allowed(logits[i: i + 1], p.allowed) if p.allowed is not None
+                                else logits[i: i + 1] for i, p in enumerate(sampled)])  # [S, V]
         probs = logits_to_probs(logits, sampling_batch(specs, [1] * len(specs), logits.device))  # [S, V]
         # The first token is drawn after the whole prompt (streams keyed by position: workers/streams.py).
         gens = [stream(p.sample, TARGET_SALT, p.base_len + len(p.token_ids), self.device) for p in sampled]
@@ -150,6 +154,8 @@ class TargetWorker(WorkerBase):
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
+            if s.allowed is not None:  # a grammar: p at each node is the target's masked given the node's path
+                rows = apply_allowed(rows, s.allowed)
             if s.tree_id >= 0 and n:
                 q = self.law_store.take(s.seq_id, s.tree_id, n, self.device)  # [N, V]
             elif s.tree_id == ONE_HOT_TREE and not s.sampling.greedy:

@@ -18,10 +18,10 @@ import time
 from engine.core.config import EngineConfig
 from engine.core.draft_setup import draft_setup
 from engine.core.intake import prompt_token_ids, resume
-from engine.core.logprobs import LogprobRecorder
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
+from engine.core.step_extras import StepExtras
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
@@ -103,7 +103,7 @@ class LLMEngine:
         self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
         self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
         self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
-        self.logprobs = LogprobRecorder()  # asks the target for logprobs and hands them out with the deltas
+        self.extras = StepExtras(self.tokenizer, tcfg.vocab_size)  # logprobs and grammar masks (step_extras.py)
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
         self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
@@ -167,7 +167,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
-        params.validate(self.vocab_size)
+        self.extras.check(params)  # ranges, and the grammar compiles
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         request_id = str(request_id)
         if request_id in self._requests:
@@ -242,7 +242,7 @@ class LLMEngine:
                     if self.recovery is None:
                         raise
                     self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
-            return self.logprobs.attach(self._take_deltas(), self._finished_outputs)
+            return self.extras.attach(self._take_deltas(), self._finished_outputs)
         except BaseException as e:
             self._dead = e
             raise
@@ -304,9 +304,9 @@ class LLMEngine:
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
-        self.executor.submit_target(self.logprobs.ask(self._target_step(batch, trees, finished_ids), batch))
+        self.executor.submit_target(self.extras.ask(self._target_step(batch, trees, finished_ids), batch))
         self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
-        out = self.logprobs.took(self.executor.wait_target(), batch)  # verify's outcome
+        out = self.extras.took(self.executor.wait_target(), batch)  # verify's outcome
         clock.lap("verify_wall_s", verify_s=out.elapsed_s)
         num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side, then the outcome
         clock.lap("collect_s")
