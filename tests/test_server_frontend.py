@@ -202,7 +202,7 @@ def test_unsupported_completion_fields_are_refused(fake, field, value) -> None:
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x" * 70}]}, "messages"),
 ])
 def test_bad_chat_bodies(fake, body, param) -> None:

@@ -39,8 +39,6 @@ def _is_off(name: str, value: Any) -> bool:
         return type(value) is int and value == 0
     if name in ("tool_choice", "function_call"):
         return value == "none"
-    if name == "response_format":
-        return value == {"type": "text"}
     return False  # suffix, and anything else: any value asks for a feature we lack
 
 
@@ -70,6 +68,13 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     logprobs_mode: str | None = None  # vLLM's names (SamplingParams.logprobs_mode): which values logprobs carry
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     n: int | None = Field(None, ge=1)  # choices per prompt: independent samples (the server's max_n bounds it)
     # OpenAI fields specserve does not implement: only their neutral value is accepted
     logit_bias: Any = None
@@ -95,6 +100,7 @@ class _SamplingRequest(_Strict):
             kw["stop_token_ids"] = list(self.stop_token_ids)
         if self.logprobs_mode is not None:
             kw["logprobs_mode"] = self.logprobs_mode
+        kw["structured_outputs"] = self.structured()
         params = SamplingParams(**kw, **self.logprob_fields(), ignore_eos=self.ignore_eos)
         if self.top_k is not None:  # 0 and -1: off (read as -1, as vLLM and Hugging Face do)
             params.top_k = -1 if self.top_k == 0 else self.top_k
@@ -108,6 +114,34 @@ class _SamplingRequest(_Strict):
     def logprob_fields(self) -> dict[str, Any]:
         """SamplingParams' logprobs / prompt_logprobs from the request's own fields (a subclass's spelling)."""
         return {}
+
+    def structured(self) -> dict[str, Any] | None:
+        """SamplingParams.structured_outputs from whichever field asks (at most one may)."""
+        rf = self.response_format
+        given = {
+            "response_format": None if rf is None or rf.get("type") == "text" else _from_response_format(rf),
+            "structured_outputs": self.structured_outputs,
+            "guided_json": None if self.guided_json is None else {"json": self.guided_json},
+            "guided_regex": None if self.guided_regex is None else {"regex": self.guided_regex},
+            "guided_choice": None if self.guided_choice is None else {"choice": self.guided_choice},
+            "guided_grammar": None if self.guided_grammar is None else {"grammar": self.guided_grammar},
+        }
+        asked = [k for k, v in given.items() if v is not None]
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1]}: only one of {', '.join(asked)} may be given")
+        return given[asked[0]] if asked else None
+
+
+def _from_response_format(rf: dict[str, Any]) -> dict[str, Any]:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise ValueError("response_format: json_schema must be an object with a 'schema' object")
+        return {"json": js.get("schema", {})}  # OpenAI: an absent schema means any JSON
+    raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _check_k(name: str, k: int | None) -> int | None:
@@ -187,10 +221,8 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
-    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                     "response_format")
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
     @classmethod
     def _unsupported_chat(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)

@@ -165,7 +165,8 @@ class Serving:
         if isinstance(e, EngineUnavailableError):
             raise APIError(503, str(e))
         if isinstance(e, ValueError):
-            p = param_of(str(e), {"prompt", "prompt_token_ids", "max_tokens", "stop", "stop_token_ids"})
+            p = param_of(str(e), {"prompt", "prompt_token_ids", "max_tokens", "stop", "stop_token_ids",
+                                  "structured_outputs"})
             raise APIError(400, str(e), field if p in ("prompt", "prompt_token_ids") else p)
         raise e
 
