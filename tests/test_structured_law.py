@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tests.test_verification_stats as stats
-from tests.test_verification_stats import CHAINS, IID_TREE, MIXED_TREE, V, WOR_TREE, Config, Params
+from tests.test_verification_stats import CHAINS, IID_TREE, MIXED_TREE, WOR_TREE, Config, Params, V
 
 UNMASKED = Params(1.0)  # the control's told law: the draft's own, without the mask
 
