@@ -124,3 +124,17 @@ def test_a_grammar_that_cannot_finish_ends_with_length(engines) -> None:
     out = engines["chain"].generate(["x"], SamplingParams(max_tokens=5, temperature=0,
                                                           structured_outputs=grammar))[0]
     assert out.finish_reason == "length" and re.fullmatch(r"[a-z]*", out.text)
+
+
+def test_generate_job_lines_take_structured_outputs(engines) -> None:
+    import io
+
+    from engine.jobs.generate import run_batch
+
+    lines = [json.dumps({"id": "a", "prompt": "x", "max_tokens": 8, "temperature": 0,
+                         "structured_outputs": {"choice": ["yes", "no"]}}),
+             json.dumps({"id": "b", "prompt": "x", "structured_outputs": {"regex": "("}})]
+    out = io.StringIO()
+    run_batch(engines["none"].engine, lines, out, {}, progress=False)
+    a, b = (json.loads(s) for s in out.getvalue().splitlines())
+    assert a["text"] in ("yes", "no") and "does not compile" in b["error"]

@@ -28,7 +28,7 @@ from scheduler.sampling_params import SamplingParams
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_token_ids")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode")
+                   "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "structured_outputs")
 NOT_FINISHED = "not finished:"
 
 
