@@ -13,10 +13,13 @@ Ranges:
   and the server, which know the vocabulary; without it only <= TOP_K_LIMIT)
 - seed: None or a 64-bit integer: -2**63 <= seed <= 2**63 - 1 (an int64 on every path, msgpack included)
 - stop_token_ids: integers in [0, 2**63)
+- logprobs / prompt_logprobs: None (off) or 0 <= k <= MAX_LOGPROBS (each token's own value and k alternatives);
+  logprobs_mode one of LOGPROBS_MODES (vLLM's names; workers/logprobs.py says what each means)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -35,6 +38,10 @@ MAX_TEMPERATURE = 100.0
 MAX_TOKENS_LIMIT = 1 << 31
 TOP_K_LIMIT = (1 << 31) - 1
 SEED_MIN, SEED_MAX = -INT64_MAX - 1, INT64_MAX
+# Top alternatives per token: OpenAI's and vLLM's default cap. Each costs a topk column and ~12 bytes per token
+# on the wire from the target; more would make logprobs requests pay for every token in transfer and JSON.
+MAX_LOGPROBS = 20
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs")
 
 
 @dataclass
@@ -48,6 +55,15 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # k: each emitted token's logprob and its k most likely alternatives
+    prompt_logprobs: int | None = None  # k: the same for the prompt's tokens (echo); bypasses the prefix cache
+    logprobs_mode: str = "raw_logprobs"
+    # A copy of a prompt queued just before it (n > 1): admitted once that prompt's prefill is committed, so it
+    # starts on the cached blocks (scheduler ``_twin_prefilling``) instead of computing the same prefix again.
+    after_twin: bool = False
+    # vLLM's structured_outputs: exactly one of json (a schema), json_object, regex, choice, grammar (Lark); the
+    # output is masked to the grammar at every verified node (engine/structured/); compiled when queued.
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,10 +110,35 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be token ids >= 0, got {_short(t)}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None:
+                _check_int(name, k)
+                if not 0 <= k <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {_short(k)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError("structured_outputs must be an object such as {\"json\": SCHEMA} or {\"regex\": R}")
+            if self.ignore_eos:  # a finished grammar allows only EOS: ignoring it would run past the grammar
+                raise ValueError("structured_outputs cannot be combined with ignore_eos")
+        if not isinstance(self.after_twin, bool):
+            raise ValueError(f"after_twin must be true or false, got {self.after_twin!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+
+def sample_copies(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n independent samples of one prompt: copy j draws from its own stream, seed + j when seeded (vLLM's rule,
+    wrapped into 64 bits), a private random seed each when not; copies 1.. wait for copy 0's cached prefix."""
+    out = []
+    for j in range(n):
+        seed = None if params.seed is None else (params.seed + j - SEED_MIN) % (1 << 64) + SEED_MIN
+        out.append(dataclasses.replace(params, seed=seed, after_twin=j > 0))
+    return out
 
 
 def _check_int(name: str, v: object) -> None:

@@ -225,6 +225,8 @@ class Scheduler:
         while self.waiting and not short_of_kv and len(self.running) < self.config.max_num_seqs:
             # Admit in arrival order only while the head fits; skipping it would starve long prompts.
             head = self.waiting[0]
+            if self._twin_prefilling(head):
+                break
             hit = self._attach_cached(head)
             if not self._fits(head, min(head.prefill_end, hit + max(budget, 1))):
                 self._detach_cached(head)
@@ -295,7 +297,9 @@ class Scheduler:
 
     def _attach_cached(self, req: Request) -> int:
         """Start a request that holds no blocks on its cached prefix; the target's hit in tokens."""
-        if not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables:
+        # prompt logprobs need every prompt row's logits, which a cached prefix never computes (vLLM skips too)
+        if (not self.target_blocks.enable_caching or req.seq_id in self.target_blocks.tables
+                or req.params.prompt_logprobs is not None):
             return 0
         bs = self.target_blocks.block_size
         limit = (req.prefill_end - 1) // bs  # never the last prefill token's block
@@ -309,6 +313,16 @@ class Scheduler:
             req.num_cached_draft = d * bs
         req.stats.num_cached_tokens = n * bs
         return n * bs
+
+    def _twin_prefilling(self, req: Request) -> bool:
+        """A copy of a prompt (n > 1: ``SamplingParams.after_twin``) whose twin, a running request with the same
+        first block, is still prefilling: wait until the twin's blocks are committed and cached, then start on
+        them instead of computing the same prefix again. The wait is one prefill: the twin progresses or leaves."""
+        bs = self.target_blocks.block_size
+        if not (req.params.after_twin and self.target_blocks.enable_caching and req.prefill_end > bs):
+            return False
+        first = req.prompt_token_ids[:bs]
+        return any(r.is_prefilling and r.prompt_token_ids[:bs] == first for r in self.running)
 
     def _detach_cached(self, req: Request) -> None:
         """Undo ``_attach_cached`` for a request that stays waiting (its blocks go back to the LRU)."""

@@ -103,6 +103,8 @@ class FakeDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     metrics: dict | None = None
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class FakeTokenizer:
@@ -113,7 +115,7 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 128 for c in text]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, conversation, tokenize: bool = False, add_generation_prompt: bool = True) -> str:

@@ -59,7 +59,9 @@ def _examples() -> dict[str, object]:
         "TargetStep": m.TargetStep(prefills=[prefill], seqs=[verify, dataclasses.replace(
             verify, seq_id=4, sampling=GREEDY, tree_id=-1)], finished=[7]),
         "VerifyResult": result,
-        "TargetStepOutput": m.TargetStepOutput(first_tokens={3: 17, 12: 0}, results=[result], elapsed_s=1e-3),
+        "TargetStepOutput": m.TargetStepOutput(first_tokens={3: 17, 12: 0}, results=[result], elapsed_s=1e-3,
+                                               logprobs={3: m.TokenLogprobs([-0.5], [[17, 4]], [[-0.5, -2.25]])}),
+        "TokenLogprobs": m.TokenLogprobs([-1.5, -0.125], [[1], [2]], [[-1.0], [-float("inf")]]),
         "WorkerReply": m.WorkerReply(result=m.TargetStepOutput(first_tokens={}, results=[result])),
         "TreeLaws": pack_laws(DraftLaws.of(3, 12, [probs[0], probs[1].where(probs[1] > 0.005, 0.0)])),
     }

@@ -179,8 +179,8 @@ def test_bad_bodies_get_400_naming_the_field(fake, body, param, words) -> None:
     assert err["param"] == param and param in err["message"] and words in err["message"], err
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 1), ("n", 2), ("best_of", 3), ("logit_bias", {"5": 1.0}),
-                                          ("echo", True), ("suffix", "x"), ("presence_penalty", 0.5),
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("logit_bias", {"5": 1.0}),
+                                          ("suffix", "x"), ("presence_penalty", 0.5),
                                           ("frequency_penalty", 1.0)])
 def test_unsupported_completion_fields_are_refused(fake, field, value) -> None:
     srv, _, _ = fake
@@ -198,10 +198,11 @@ def test_unsupported_completion_fields_are_refused(fake, field, value) -> None:
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x" * 70}]}, "messages"),
 ])
 def test_bad_chat_bodies(fake, body, param) -> None:

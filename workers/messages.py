@@ -19,6 +19,8 @@ class SamplingSpec:
     top_p: float
     min_p: float
     seed: int | None
+    logprobs: int = -1  # >= 0: return each emitted token's logprob and this many top alternatives (-1: none)
+    logprobs_mode: str = "raw_logprobs"  # scheduler/sampling_params.py LOGPROBS_MODES
 
     @property
     def greedy(self) -> bool:
@@ -32,6 +34,11 @@ class PrefillSeq:
     base_len: int  # tokens already cached
     token_ids: list[int]  # the chunk
     sample: SamplingSpec | None = None  # set on the chunk that ends a fresh prompt: sample the first token
+    # >= 0: the logprobs of the prompt tokens after each of the chunk's positions (echo), with this many top
+    # alternatives; next_token is the prompt token after the chunk (-1: the chunk ends the prompt).
+    prompt_logprobs: int = -1
+    next_token: int = -1
+    allowed: Any = None  # [1, ceil(V / 32)] int32: a grammar's packed mask for the first token (grammar_mask.py)
 
 
 @dataclass
@@ -145,6 +152,9 @@ class VerifySeq:
     # (the first len(tree_tokens) nodes of that tree); -1 for greedy requests (one-hot by construction);
     # ONE_HOT_TREE: every node's law is one-hot at its own token (deterministic proposals), built by the verifier.
     tree_id: int = -1
+    # A grammar request's packed masks, one row per logits row (row 0 at the root, row i + 1 after node i):
+    # [N + 1, ceil(V / 32)] int32 tensor, bit t of a row set = token t allowed (engine/structured/masks.py).
+    allowed: Any = None
 
 
 @dataclass
@@ -165,6 +175,15 @@ class VerifyResult:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of T tokens of one sequence (workers/logprobs.py), only for requests that ask."""
+
+    logprobs: list[float]  # [T] each token's own value
+    top_ids: list[list[int]]  # [T][k] the k most likely ids at that position, most likely first
+    top_logprobs: list[list[float]]  # [T][k] their values
+
+
+@dataclass
 class TargetStepOutput:
     first_tokens: dict[int, int]  # seq_id -> first generated token, for prefills that asked to sample
     results: list[VerifyResult]  # one per VerifySeq, same order
@@ -172,6 +191,10 @@ class TargetStepOutput:
     # Set when a tree's laws could not come (their draft died, or never sent them): nothing was verified or
     # committed past the in-flight tokens, ``results`` is empty, and the controller abandons the step.
     laws_error: str | None = None
+    # seq_id -> the logprobs of the tokens it emitted this step (first token or round), when its spec asks
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    # seq_id -> the logprobs of its prefill chunk's prompt tokens after the chunk's first (PrefillSeq.prompt_logprobs)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass

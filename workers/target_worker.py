@@ -11,14 +11,26 @@ id the controller passes along: only the rank that verifies ever holds them.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
 from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
+from workers.grammar_mask import apply_allowed
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
-from workers.messages import ONE_HOT_TREE, CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
+from workers.logprobs import prefill_logit_nodes, prefill_logprobs, verify_logprobs
+from workers.messages import (
+    ONE_HOT_TREE,
+    CommitSpec,
+    PrefillSeq,
+    TargetStep,
+    TargetStepOutput,
+    TokenLogprobs,
+    VerifyResult,
+    VerifySeq,
+)
 from workers.sampling import logits_to_probs, sample
 from workers.streams import TARGET_SALT, stream
 from workers.tree_topology import scratch_parents
@@ -73,16 +85,26 @@ class TargetWorker(WorkerBase):
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
+        for piece, p in zip(pieces, msg.prefills, strict=True):
+            piece.logit_nodes = prefill_logit_nodes(p)  # every row when it asks for prompt logprobs (echo)
+        num_pre = sum(len(piece.logit_nodes) for piece in pieces)
         pieces += [_verify_piece(s) for s in msg.seqs]
-        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
+        logits = self.runner.forward(pieces)  # [prefill rows + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
         results: list[VerifyResult] = []
         laws_error = None
+        first_lp: dict[int, TokenLogprobs] = {}
+        prompt_lp: dict[int, TokenLogprobs] = {}
         if self.tp.is_first:
-            first_tokens = self._sample_first(sampled, logits[: len(sampled)])
+            ends = list(itertools.accumulate(len(piece.logit_nodes) for piece in pieces[: len(msg.prefills)]))
+            last = [e - 1 for e, p in zip(ends, msg.prefills, strict=True) if p.sample is not None]
+            last_rows = torch.tensor(last, dtype=torch.long, device=logits.device)  # each sampled chunk's last row
+            first_tokens = self._sample_first(sampled, logits[: len(sampled)] if num_pre == len(sampled) else
+                                              logits.index_select(0, last_rows))
+            first_lp, prompt_lp = prefill_logprobs(msg.prefills, logits[:num_pre], first_tokens)
             try:
-                results = self._verify(msg.seqs, logits[len(sampled):])
+                results = self._verify(msg.seqs, logits[num_pre:])
             except LawsUnavailable as e:
                 # Not raised past the broadcast: the other ranks wait in it, and a rank that skipped it would
                 # leave the group's collectives out of step for every later call. No path is accepted; the
@@ -96,7 +118,9 @@ class TargetWorker(WorkerBase):
         self.runner.commit([_commit(s, path) for s, path in zip(msg.seqs, paths, strict=True)])
         if laws_error is not None:
             return TargetStepOutput({}, [], time.perf_counter() - start, laws_error)
-        return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
+        lp = first_lp | verify_logprobs(msg.seqs, logits[num_pre:], results) if self.tp.is_first else {}
+        return TargetStepOutput(first_tokens, results, time.perf_counter() - start, logprobs=lp,
+                                prompt_logprobs=prompt_lp)
 
     def _features(self, msg: TargetStep, results: list[VerifyResult]) -> list[SeqFeatures]:
         """The captured hidden states of every row now committed: prompt chunks, in-flight tokens, accepted paths."""
@@ -114,6 +138,9 @@ class TargetWorker(WorkerBase):
         if not sampled:
             return {}
         specs = [p.sample for p in sampled]
+        if any(p.allowed is not None for p in sampled):  # a grammar's mask for the first token
+            logits = torch.cat([apply_allowed(logits[i: i + 1], p.allowed) if p.allowed is not None
+                                else logits[i: i + 1] for i, p in enumerate(sampled)])  # [S, V]
         probs = logits_to_probs(logits, sampling_batch(specs, [1] * len(specs), logits.device))  # [S, V]
         # The first token is drawn after the whole prompt (streams keyed by position: workers/streams.py).
         gens = [stream(p.sample, TARGET_SALT, p.base_len + len(p.token_ids), self.device) for p in sampled]
@@ -127,6 +154,8 @@ class TargetWorker(WorkerBase):
             n = len(s.tree_tokens)
             rows = logits[row: row + n + 1]  # [N + 1, V]
             row += n + 1
+            if s.allowed is not None:  # a grammar: p at each node is the target's masked given the node's path
+                rows = apply_allowed(rows, s.allowed)
             if s.tree_id >= 0 and n:
                 q = self.law_store.take(s.seq_id, s.tree_id, n, self.device)  # [N, V]
             elif s.tree_id == ONE_HOT_TREE and not s.sampling.greedy:

@@ -21,6 +21,7 @@ from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
+from engine.core.step_extras import StepExtras
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
@@ -102,6 +103,7 @@ class LLMEngine:
         self._aborts: dict[str, Request] = {}  # to finish at the start of the next step
         self._emitted: dict[int, tuple[Request, list[int]]] = {}  # this step: seq_id -> tokens appended
         self._finished_outputs: list[RequestOutput] = []  # this step's finished requests, whole
+        self.extras = StepExtras(self.tokenizer, tcfg.vocab_size)  # logprobs and grammar masks (step_extras.py)
         self._finished_ids: list[int] = []  # finished since the last step: the workers drop their state
         self._requeued_ids: list[int] = []  # re-queued after a target restart: the draft drops their state
         # Ray workers and a draft process can be replaced when they die; in-process ones die with us.
@@ -165,7 +167,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         # Again here, not only at construction: a field set afterwards must not reach (and fail) a worker step.
-        params.validate(self.vocab_size)
+        self.extras.check(params)  # ranges, and the grammar compiles
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         request_id = str(request_id)
         if request_id in self._requests:
@@ -240,7 +242,7 @@ class LLMEngine:
                     if self.recovery is None:
                         raise
                     self.recovery.recover(e)  # the step is abandoned; its requests go on from what they had
-            return self._take_deltas()
+            return self.extras.attach(self._take_deltas(), self._finished_outputs)
         except BaseException as e:
             self._dead = e
             raise
@@ -302,9 +304,9 @@ class LLMEngine:
         gone, self._requeued_ids = finished_ids + [r.seq_id for r in batch.preempted] + self._requeued_ids, []
         trees = self.drafter.propose(batch, gone)  # draft
         clock.lap("draft_wall_s")
-        self.executor.submit_target(self._target_step(batch, trees, finished_ids))  # verify
+        self.executor.submit_target(self.extras.ask(self._target_step(batch, trees, finished_ids), batch))
         self.drafter.overlap(batch, trees)  # pipelined: the draft works on round r+1 meanwhile
-        out = self.executor.wait_target()
+        out = self.extras.took(self.executor.wait_target(), batch)  # verify's outcome
         clock.lap("verify_wall_s", verify_s=out.elapsed_s)
         num_cached_draft = self.drafter.commit(batch, trees, out)  # commit: the draft's side, then the outcome
         clock.lap("collect_s")
@@ -339,10 +341,9 @@ class LLMEngine:
             self._emit(req, res.tokens)
 
     def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append what the round produced, up to a stop; True when the request is finished.
-
-        The one place where tokens join a request and a finished request is finalised: the step's deltas are
-        recorded here (and in ``_apply_aborts``)."""
+        """Append what the round produced, up to a stop; True when the request is finished. The one place where
+        tokens join a request and a finished request is finalised: the step's deltas are recorded here (and in
+        ``_apply_aborts``)."""
         checker = self._stop[req.seq_id]
         if req.stats.first_token_time is None:
             req.stats.first_token_time = time.monotonic()

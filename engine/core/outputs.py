@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at its position and the position's k most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first; empty when k = 0
+
+
+@dataclass
 class RequestDelta:
     """What one step added to one request: its new tokens and text, and how it ended when it did.
 
@@ -20,6 +29,9 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     metrics: dict | None  # the request's stats dict (rounds, accepted tokens, ttft...) when finished, else None
+    logprobs: list[Logprob] | None = None  # one per new token, when the request asked (SamplingParams.logprobs)
+    # The prompt's, position 0 None (nothing scores the first token): on the request's first delta, when asked.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass
@@ -33,3 +45,5 @@ class RequestOutput:
     finish_reason: str | None
     finished: bool
     metrics: dict
+    logprobs: list[Logprob] | None = None  # one per output token, when asked
+    prompt_logprobs: list[Logprob | None] | None = None

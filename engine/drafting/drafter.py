@@ -56,7 +56,8 @@ class Drafter(Protocol):
 
 def sampling_spec(req: Request) -> SamplingSpec:
     p = req.params
-    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed)
+    return SamplingSpec(p.temperature, p.top_k, p.top_p, p.min_p, req.seed,
+                        -1 if p.logprobs is None else p.logprobs, p.logprobs_mode)
 
 
 @dataclass

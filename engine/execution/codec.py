@@ -25,7 +25,7 @@ _CLASSES: dict[str, type] = {
     for cls in (messages.SamplingSpec, messages.PrefillSeq, messages.DraftCommit, messages.DraftSeq,
                 messages.DraftStep, messages.GuessSpec, messages.DraftTree, messages.DraftResult,
                 messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.VerifyResult,
-                messages.TargetStepOutput, messages.WorkerReply, TreeLaws)
+                messages.TargetStepOutput, messages.WorkerReply, messages.TokenLogprobs, TreeLaws)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()

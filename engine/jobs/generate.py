@@ -14,6 +14,7 @@ line starting with ``not finished:`` (``--resume`` runs those again).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -21,13 +22,13 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from engine.core.llm_engine import EngineDeadError, LLMEngine
-from engine.core.outputs import RequestOutput
+from engine.core.outputs import Logprob, RequestOutput
 from engine.jobs.jsonl import JsonlLine, loads
 from scheduler.sampling_params import SamplingParams
 
 REQUEST_FIELDS = ("id", "prompt", "prompt_token_ids")
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos")
+                   "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "structured_outputs")
 NOT_FINISHED = "not finished:"
 
 
@@ -93,8 +94,20 @@ def output_line(out: RequestOutput) -> dict[str, Any]:
     if out.text is not None:
         line["text"] = out.text
     line["finish_reason"] = out.finish_reason
+    if out.logprobs is not None:  # asked for: one per token of token_ids
+        line["logprobs"] = [_logprob(e) for e in out.logprobs]
+    if out.prompt_logprobs is not None:  # one per prompt token, the first null
+        line["prompt_logprobs"] = [None if e is None else _logprob(e) for e in out.prompt_logprobs]
     line["metrics"] = out.metrics
     return line
+
+
+def _logprob(e: Logprob) -> dict[str, Any]:
+    """JSON has no -inf: a token the processed law cuts is -9999.0 (OpenAI's and vLLM's spelling)."""
+    def v(x: float) -> float:
+        return x if math.isfinite(x) else -9999.0
+
+    return {"token_id": e.token_id, "logprob": v(e.logprob), "top": [[i, v(x)] for i, x in e.top]}
 
 
 def _nonblank(lines: Iterable[str | JsonlLine]) -> Iterator[str | JsonlLine]:

@@ -65,7 +65,7 @@ class ServingExecutor:
         s.check_model(req.model)
         prompts = await s.encode_all(req.prompts())
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = s.sampling_params(req, max_tokens)
+        (params,) = s.sampling_params(req, max_tokens)  # n is 1 here (_no_stream)
         s.check_length(prompts, max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         results = await self._run(rid, prompts, params, "prompt")
@@ -78,7 +78,7 @@ class ServingExecutor:
     async def _chat(self, req: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
         s = self.serving
         _no_stream(req)
-        ids, params = await s.off_loop(s.prepare_chat, req)
+        ids, (params,) = await s.off_loop(s.prepare_chat, req)  # n is 1 here (_no_stream)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         (r,) = await self._run(rid, [ids], params, "messages")
         return ChatCompletionResponse(
@@ -99,6 +99,10 @@ class ServingExecutor:
 def _no_stream(req: Any) -> None:
     if req.stream:
         raise APIError(400, "stream: not supported in a batch (results are written to the output file)", "stream")
+    if any(v is not None for v in req.logprob_fields().values()) or getattr(req, "echo", None):
+        raise APIError(400, "logprobs: not supported in a batch yet (nor echo); send it online", "logprobs")
+    if req.n not in (None, 1):
+        raise APIError(400, "n: only n=1 in a batch for now (one result line per request); send it online", "n")
 
 
 async def _collect(stream: RequestStream) -> tuple[str, int, str | None, dict | None]:

@@ -1,8 +1,8 @@
 """OpenAI request and response bodies as pydantic models, with OpenAI's field names.
 
 Requests are strict (no "1" for 1, no unknown fields): a body that does not match is a 400 naming the field.
-Fields OpenAI defines that specserve does not implement (logprobs, n > 1, best_of, logit_bias, penalties, tools,
-...) are accepted only at their "off" value and otherwise refused with a 400 that says so — never ignored.
+Fields OpenAI defines that specserve does not implement (best_of > n, logit_bias, penalties, tools, ...) are
+accepted only at their "off" value and otherwise refused with a 400 that says so — never ignored.
 Value ranges (temperature >= 0, top_p in (0, 1], ...) are checked once, by ``SamplingParams``.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the engine's seeds are 64-bit, as in vLLM
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat defaults to the rest of the context)
@@ -27,7 +27,7 @@ def _is_off(name: str, value: Any) -> bool:
     """Whether an unsupported OpenAI field holds its neutral value (so sending it changes nothing)."""
     if value is None:
         return True
-    if name in ("n", "best_of"):
+    if name == "best_of":
         return type(value) is int and value == 1
     if name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         return type(value) in (int, float) and value == (1 if name == "repetition_penalty" else 0)
@@ -39,15 +39,11 @@ def _is_off(name: str, value: Any) -> bool:
         return type(value) is int and value == 0
     if name in ("tool_choice", "function_call"):
         return value == "none"
-    if name == "response_format":
-        return value == {"type": "text"}
     return False  # suffix, and anything else: any value asks for a feature we lack
 
 
 def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
     if not _is_off(info.field_name, value):
-        if info.field_name == "n":
-            raise ValueError("only n=1 is supported (one choice per prompt)")
         raise ValueError(f"{info.field_name} is not supported by specserve")
     return value
 
@@ -71,15 +67,22 @@ class _SamplingRequest(_Strict):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logprobs_mode: str | None = None  # vLLM's names (SamplingParams.logprobs_mode): which values logprobs carry
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    n: int | None = Field(None, ge=1)  # choices per prompt: independent samples (the server's max_n bounds it)
     # OpenAI fields specserve does not implement: only their neutral value is accepted
-    n: Any = None
-    logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
 
-    @field_validator("n", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    @field_validator("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty")
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
@@ -95,7 +98,10 @@ class _SamplingRequest(_Strict):
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.stop_token_ids is not None:
             kw["stop_token_ids"] = list(self.stop_token_ids)
-        params = SamplingParams(**kw, ignore_eos=self.ignore_eos)
+        if self.logprobs_mode is not None:
+            kw["logprobs_mode"] = self.logprobs_mode
+        kw["structured_outputs"] = self.structured()
+        params = SamplingParams(**kw, **self.logprob_fields(), ignore_eos=self.ignore_eos)
         if self.top_k is not None:  # 0 and -1: off (read as -1, as vLLM and Hugging Face do)
             params.top_k = -1 if self.top_k == 0 else self.top_k
             params.validate(vocab_size)
@@ -105,22 +111,77 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprob_fields(self) -> dict[str, Any]:
+        """SamplingParams' logprobs / prompt_logprobs from the request's own fields (a subclass's spelling)."""
+        return {}
+
+    def structured(self) -> dict[str, Any] | None:
+        """SamplingParams.structured_outputs from whichever field asks (at most one may)."""
+        rf = self.response_format
+        given = {
+            "response_format": None if rf is None or rf.get("type") == "text" else _from_response_format(rf),
+            "structured_outputs": self.structured_outputs,
+            "guided_json": None if self.guided_json is None else {"json": self.guided_json},
+            "guided_regex": None if self.guided_regex is None else {"regex": self.guided_regex},
+            "guided_choice": None if self.guided_choice is None else {"choice": self.guided_choice},
+            "guided_grammar": None if self.guided_grammar is None else {"grammar": self.guided_grammar},
+        }
+        asked = [k for k, v in given.items() if v is not None]
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1]}: only one of {', '.join(asked)} may be given")
+        return given[asked[0]] if asked else None
+
+
+def _from_response_format(rf: dict[str, Any]) -> dict[str, Any]:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            raise ValueError("response_format: json_schema must be an object with a 'schema' object")
+        return {"json": js.get("schema", {})}  # OpenAI: an absent schema means any JSON
+    raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _check_k(name: str, k: int | None) -> int | None:
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"must be between 0 and {MAX_LOGPROBS} (the most alternatives per token), got {k}")
+    return k
+
 
 class CompletionRequest(_SamplingRequest):
     # text, a batch of texts, token ids, or a batch of token-id lists
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # k: each token's logprob and its k most likely alternatives (<= 20)
+    echo: bool | None = None  # the prompt's text (and, with logprobs, its tokens' logprobs) before the completion
     best_of: Any = None
-    echo: Any = None
     suffix: Any = None
     # vLLM's: each choice (each streamed chunk) also carries its output token ids. None: only where the model has
     # no tokenizer, whose text is always empty (without them its streams carried nothing until the end, and a
     # load test measured no time to first token).
     return_token_ids: bool | None = None
 
-    @field_validator("best_of", "echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _unsupported_completion(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or (type(v) is int and v == (info.data.get("n") or 1)):
+            return v  # best_of == n: every sample is returned, nothing is chosen
+        raise ValueError("best_of > n is not supported by specserve (it would rank samples on the server); ask "
+                         "for n samples with logprobs and choose on the client")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _k(cls, v: int | None, info: ValidationInfo) -> int | None:
+        return _check_k(info.field_name, v)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.logprobs if self.echo else None}
 
     @field_validator("prompt")
     @classmethod
@@ -153,19 +214,28 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # k alternatives per token (<= 20); needs logprobs: true
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
-    @field_validator("top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                     "response_format")
+    @field_validator("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
     @classmethod
     def _unsupported_chat(cls, v: Any, info: ValidationInfo) -> Any:
         return _refuse_unsupported(v, info)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _k(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if _check_k(info.field_name, v) and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true (OpenAI's rule)")
+        return v
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -208,10 +278,33 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per token (the prompt's first under echo)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # each token's start in the choice's text
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a token may be part of a character)
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # only when asked for (``return_token_ids``)
 
@@ -241,7 +334,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -268,7 +361,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

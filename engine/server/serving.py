@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse, Response
 
 from engine.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError, RequestStream
+from engine.server.logprobs import CompletionFormat, TokenTexts, chat_logprobs
 from engine.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatChoice,
@@ -40,6 +41,7 @@ from engine.server.protocol import (
     UsageInfo,
     _now,
 )
+from scheduler.sampling_params import sample_copies
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -72,6 +74,9 @@ def param_of(message: str, fields: set[str]) -> str | None:
 class ServerConfig:
     served_model_name: str
     model_path: str | None = None  # shown as the model's root in /v1/models
+    # Choices per prompt (n): each is a request of its own in the engine (its KV past the shared prompt, its
+    # rounds), so n multiplies a request's cost; beyond this a 400 names n.
+    max_n: int = 16
 
 
 class Serving:
@@ -126,9 +131,13 @@ class Serving:
                 raise APIError(400, f"{name}: {max_tokens} + the prompt's {len(ids)} tokens exceed the model's "
                                     f"context of {limit} tokens (max_tokens <= {limit - len(ids)})", name)
 
-    def sampling_params(self, req: Any, max_tokens: int) -> Any:
+    def sampling_params(self, req: Any, max_tokens: int) -> list[Any]:
+        """One SamplingParams per choice (``n``: independent samples, scheduler/sampling_params.py sample_copies)."""
+        n = 1 if req.n is None else req.n
+        if n > self.config.max_n:
+            raise APIError(400, f"n: {n} choices per prompt, more than this server's max_n = {self.config.max_n}", "n")
         try:
-            return req.sampling_params(max_tokens, self.engine.vocab_size)
+            return sample_copies(req.sampling_params(max_tokens, self.engine.vocab_size), n)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), set(type(req).model_fields))) from e
 
@@ -156,7 +165,8 @@ class Serving:
         if isinstance(e, EngineUnavailableError):
             raise APIError(503, str(e))
         if isinstance(e, ValueError):
-            p = param_of(str(e), {"prompt", "prompt_token_ids", "max_tokens", "stop", "stop_token_ids"})
+            p = param_of(str(e), {"prompt", "prompt_token_ids", "max_tokens", "stop", "stop_token_ids",
+                                  "structured_outputs"})
             raise APIError(400, str(e), field if p in ("prompt", "prompt_token_ids") else p)
         raise e
 
@@ -165,38 +175,43 @@ class Serving:
         self.check_model(req.model)
         prompts = await self.encode_all(req.prompts())
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        params = self.sampling_params(req, max_tokens)
+        copies = self.sampling_params(req, max_tokens)
         self.check_length(prompts, max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(rid, prompts, [params] * len(prompts), "prompt")
+        # choice i * n + j: prompt i's sample j (OpenAI's order)
+        streams = await self.submit(rid, [p for p in prompts for _ in copies], copies * len(prompts), "prompt")
         prompt_tokens = sum(len(p) for p in prompts)
         ids = self.tokenizer is None if req.return_token_ids is None else req.return_token_ids
+        fmt = CompletionFormat(TokenTexts(self.tokenizer), [p for p in req.prompts() for _ in copies],
+                               [p for p in prompts for _ in copies], bool(req.echo), req.logprobs is not None)
         if req.stream:
-            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage, ids))
+            return EventSourceResponse(self._completion_events(rid, streams, prompt_tokens, req.include_usage, ids,
+                                                               fmt))
         results = await self._collect_unless_gone(streams, raw)
         if results is None:
             return Response(status_code=499)  # the client left; nobody reads this
         return _json(CompletionResponse(
             id=rid, model=self.config.served_model_name,
-            choices=[CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                      token_ids=r.token_ids if ids else None)
+            choices=[CompletionChoice(index=i, **fmt.whole(i, r.text, r.token_ids, r.logprobs, r.prompt_logprobs),
+                                      finish_reason=r.finish_reason, token_ids=r.token_ids if ids else None)
                      for i, r in enumerate(results)],
             usage=_usage(prompt_tokens, results), spec_decode=SpecDecodeInfo.combine([r.metrics for r in results])))
 
     async def _completion_events(self, rid: str, streams: list[RequestStream], prompt_tokens: int,
-                                 include_usage: bool, token_ids: bool = False) -> AsyncIterator[bytes]:
+                                 include_usage: bool, token_ids: bool, fmt: CompletionFormat) -> AsyncIterator[bytes]:
         created, model = _now(), self.config.served_model_name
         finals: dict[int, Any] = {}
         try:
             async for i, d in self._merged(streams):
-                if not d.new_text and not d.finished and not (token_ids and d.new_token_ids):
-                    continue  # tokens that do not complete a character yet
+                if not d.new_text and not d.finished and not ((token_ids or fmt.logprobs) and d.new_token_ids):
+                    continue  # tokens that do not complete a character yet (a token's logprob never waits)
                 if d.finished:
                     finals[i] = d
                 yield _sse(CompletionResponse(
                     id=rid, created=created, model=model,
-                    choices=[CompletionChoice(index=i, text=d.new_text, finish_reason=d.finish_reason
-                                              if d.finished else None,
+                    choices=[CompletionChoice(index=i, **fmt.chunk(i, d.new_text, d.new_token_ids, d.logprobs,
+                                                                   d.prompt_logprobs),
+                                              finish_reason=d.finish_reason if d.finished else None,
                                               token_ids=list(d.new_token_ids) if token_ids else None)],
                     spec_decode=SpecDecodeInfo.combine([d.metrics]) if d.finished else None))
             if include_usage:
@@ -218,50 +233,58 @@ class Serving:
         requested = req.requested_max_tokens
         # Chat's default: the rest of the context.
         max_tokens = requested if requested is not None else max(1, self.engine.max_model_len - len(ids))
-        params = self.sampling_params(req, max_tokens)
+        copies = self.sampling_params(req, max_tokens)
         self.check_length([ids], requested, "messages")
-        return ids, params
+        return ids, copies
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        ids, params = await self.off_loop(self.prepare_chat, req)
+        ids, copies = await self.off_loop(self.prepare_chat, req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(rid, [ids], [params], "messages")
+        streams = await self.submit(rid, [ids] * len(copies), copies, "messages")
         if req.stream:
-            return EventSourceResponse(self._chat_events(rid, streams[0], len(ids), req.include_usage))
+            return EventSourceResponse(self._chat_events(rid, streams, len(ids), req.include_usage))
         results = await self._collect_unless_gone(streams, raw)
         if results is None:
             return Response(status_code=499)
-        r = results[0]
+        texts = TokenTexts(self.tokenizer)
         return _json(ChatCompletionResponse(
             id=rid, model=self.config.served_model_name,
-            choices=[ChatChoice(index=0, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason)],
-            usage=_usage(len(ids), results), spec_decode=SpecDecodeInfo.combine([r.metrics])))
+            choices=[ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
+                                logprobs=None if r.logprobs is None else chat_logprobs(texts, r.logprobs))
+                     for i, r in enumerate(results)],
+            usage=_usage(len(ids), results), spec_decode=SpecDecodeInfo.combine([r.metrics for r in results])))
 
-    async def _chat_events(self, rid: str, stream: RequestStream, prompt_tokens: int,
+    async def _chat_events(self, rid: str, streams: list[RequestStream], prompt_tokens: int,
                            include_usage: bool) -> AsyncIterator[bytes]:
         created, model = _now(), self.config.served_model_name
+        texts = TokenTexts(self.tokenizer)
 
-        def chunk(delta: DeltaMessage, finish: str | None = None, **extra: Any) -> bytes:
+        def chunk(i: int, delta: DeltaMessage, finish: str | None = None, logprobs: Any = None,
+                  **extra: Any) -> bytes:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=model, **extra, choices=[
-                ChatChunkChoice(index=0, delta=delta, finish_reason=finish)]))
+                ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)]))
 
         try:
-            yield chunk(DeltaMessage(role="assistant", content=""))
-            last = None
-            async for d in stream:
-                if d.new_text or d.finished:
-                    yield chunk(DeltaMessage(content=d.new_text or None), d.finish_reason if d.finished else None,
+            for i in range(len(streams)):
+                yield chunk(i, DeltaMessage(role="assistant", content=""))
+            finals: dict[int, Any] = {}
+            async for i, d in self._merged(streams):
+                if d.new_text or d.finished or d.logprobs:
+                    yield chunk(i, DeltaMessage(content=d.new_text or None), d.finish_reason if d.finished else None,
+                                None if d.logprobs is None else chat_logprobs(texts, d.logprobs),
                                 spec_decode=SpecDecodeInfo.combine([d.metrics]) if d.finished else None)
-                last = d
+                if d.finished:
+                    finals[i] = d
             if include_usage:
+                done = list(finals.values())
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                               usage=_usage(prompt_tokens, [last] if last else []),
-                                               spec_decode=SpecDecodeInfo.combine([last.metrics if last else None])))
+                                               usage=_usage(prompt_tokens, done),
+                                               spec_decode=SpecDecodeInfo.combine([d.metrics for d in done])))
             yield _DONE
         except EngineUnavailableError as e:
             yield format_sse_event(data_str=APIError(503, str(e)).response().body.decode())
         finally:
-            self._abort_unfinished([stream])
+            self._abort_unfinished(streams)
 
     # ----------------------------------------------------------------------------------------- helpers
     async def _collect_unless_gone(self, streams: list[RequestStream], raw: Request) -> list[_Result] | None:
@@ -317,15 +340,20 @@ class _Result:
     finish_reason: str | None
     metrics: dict | None
     token_ids: list[int]
+    logprobs: list[Any] | None = None  # engine/core/outputs.py Logprob, one per token, when asked
+    prompt_logprobs: list[Any] | None = None
 
 
 async def _collect(stream: RequestStream) -> _Result:
-    parts, ids, last = [], [], None
+    parts, ids, last, lps, prompt_lps = [], [], None, None, None
     async for d in stream:
         parts.append(d.new_text)
         ids += d.new_token_ids
+        if d.logprobs is not None:
+            lps = (lps or []) + d.logprobs
+        prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
         last = d
-    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics, ids)
+    return _Result("".join(parts), last.num_output_tokens, last.finish_reason, last.metrics, ids, lps, prompt_lps)
 
 
 async def _collect_all(streams: list[RequestStream]) -> list[_Result]:
