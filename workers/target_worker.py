@@ -18,6 +18,8 @@ import torch
 from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
+from workers.layer_skip.messages import SelfDraftOutput, SelfDraftStep
+from workers.layer_skip.setup import build_self_drafter
 from workers.messages import ONE_HOT_TREE, CommitSpec, PrefillSeq, TargetStep, TargetStepOutput, VerifyResult, VerifySeq
 from workers.sampling import logits_to_probs, sample
 from workers.streams import TARGET_SALT, stream
@@ -55,6 +57,8 @@ class TargetWorker(WorkerBase):
         # An EAGLE head drafting for this target: where the committed rows' hidden states go (rank 0 only), set
         # with ``feed_eagle`` (workers/eagle/features.py). None: nothing is captured.
         self.feature_sink: FeatureSink | None = None
+        # Self-speculation (method layer_skip): drafts with the early layers, verifies from layer L. None: off.
+        self.self_drafter = build_self_drafter(self)
 
     def feed_eagle(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
         """Capture ``layers``' hidden states in every forward and hand the committed rows to ``sink``."""
@@ -74,7 +78,10 @@ class TargetWorker(WorkerBase):
         sampled = [p for p in msg.prefills if p.sample is not None]
         pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
         pieces += [_verify_piece(s) for s in msg.seqs]
-        logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
+        if self.self_drafter is not None:  # self-drafted rounds start at layer L (workers/layer_skip/)
+            logits = self.self_drafter.forward(pieces, [None] * len(msg.prefills) + [s.seq_id for s in msg.seqs])
+        else:
+            logits = self.runner.forward(pieces)  # [num sampled prefills + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
         results: list[VerifyResult] = []
@@ -97,6 +104,12 @@ class TargetWorker(WorkerBase):
         if laws_error is not None:
             return TargetStepOutput({}, [], time.perf_counter() - start, laws_error)
         return TargetStepOutput(first_tokens, results, time.perf_counter() - start)
+
+    def self_draft(self, msg: SelfDraftStep) -> SelfDraftOutput:
+        """Drafts with the target's own early layers (method layer_skip); the next ``step`` verifies from layer L."""
+        if self.self_drafter is None:
+            raise RuntimeError("self_draft on a target worker built without layer_skip_exit_layer")
+        return self.self_drafter.draft(msg)
 
     def _features(self, msg: TargetStep, results: list[VerifyResult]) -> list[SeqFeatures]:
         """The captured hidden states of every row now committed: prompt chunks, in-flight tokens, accepted paths."""
