@@ -17,6 +17,8 @@ import time
 
 from engine.core.config import EngineConfig
 from engine.core.draft_setup import draft_setup
+from engine.drafting.layer_skip import LayerSkipDrafter
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
@@ -78,7 +80,8 @@ class LLMEngine:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
-                                                   quantization=config.quantization, model_config=tcfg.to_dict()),
+                                                   quantization=config.quantization, model_config=tcfg.to_dict(),
+                                                   **draft.target_options),
                                       draft_cfg, **(dspec.process_options if dspec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
@@ -140,6 +143,8 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
+        if spec.method == LAYER_SKIP:  # the target drafts with its own early layers
+            return LayerSkipDrafter(self.executor, self.times, self.scheduler.target_blocks.tables)
         if spec.method in DRAFTLESS_METHODS:
             return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
