@@ -9,8 +9,8 @@ from pathlib import Path
 
 from engine.core.parallel_config import ParallelConfig
 from engine.drafting.draftless_config import DRAFTLESS_METHODS, check_draftless, check_fallback
-from engine.drafting.layer_skip_config import LAYER_SKIP, check_layer_skip
 from engine.drafting.eagle_keys import check_eagle_keys
+from engine.drafting.layer_skip_config import LAYER_SKIP, check_layer_skip
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path

@@ -17,8 +17,6 @@ import time
 
 from engine.core.config import EngineConfig
 from engine.core.draft_setup import draft_setup
-from engine.drafting.layer_skip import LayerSkipDrafter
-from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.core.intake import prompt_token_ids, resume
 from engine.core.metrics import SpecDecodingStats, StepTimes, reset
 from engine.core.outputs import RequestDelta, RequestOutput
@@ -26,6 +24,8 @@ from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
+from engine.drafting.layer_skip import LayerSkipDrafter
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
