@@ -70,9 +70,11 @@ class TargetWorker(WorkerBase):
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def step(self, msg: TargetStep) -> TargetStepOutput:
+    def step(self, msg: TargetStep | SelfDraftStep) -> TargetStepOutput | SelfDraftOutput:
         """Every tensor-parallel rank runs the forward; rank 0 samples and verifies, then tells the others
         which paths to commit (each rank holds its own heads' KV)."""
+        if isinstance(msg, SelfDraftStep):  # method layer_skip's draft call, sent to every rank like a step
+            return self.self_draft(msg)
         start = time.perf_counter()
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]

@@ -52,8 +52,6 @@ def draft_setup(config: EngineConfig, target_config: ModelConfig) -> DraftSetup:
     if spec is None:
         return DraftSetup(None, None, False)
     if spec.method == LAYER_SKIP:  # no draft worker: the target drafts with its own early layers
-        if config.parallel.resolved_backend != "uni":
-            raise ValueError("method 'layer_skip' runs in-process (tensor_parallel_size 1, no Ray) in this version")
         layer, adapter = resolve_exit(spec, config.target, target_config)
         return DraftSetup(None, None, False, {"layer_skip_exit_layer": layer, "layer_skip_adapter": adapter})
     dspec = spec.draft_spec  # this config, a draftless method's fallback, or None

@@ -16,7 +16,8 @@ rows are verified from layer 0.
 
 What crosses processes per round: the drafted tokens (ints) go back to the controller, which sends them to verify
 as any tree; the laws q (the exit's softmax after the request's transforms, per drafted token) go into the
-target's own law store, and hidden states and KV never leave the target. On a tensor-parallel target every rank
-would run the draft passes (its heads' KV) and draw the same tokens from the same all-gathered logits; this version
-runs in-process at tensor_parallel_size 1 (the config refuses Ray / TP > 1 for now).
+verifying rank's own law store, and hidden states and KV never leave the target. On a tensor-parallel target every
+rank runs the draft passes (each holds its heads' KV); rank 0 draws and broadcasts each round's tokens to the
+others inside the group (the ranks' logits are the same; an unseeded draw is not), as it broadcasts the accepted
+paths after verification. On Ray the self-draft call goes to every target rank like a verify call.
 """

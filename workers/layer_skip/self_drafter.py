@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention import PagedContext
+from workers.distributed import TPGroup
 from workers.input_batch import SeqForward, build_batch
 from workers.law_channel import DraftLaws
 from workers.layer_skip.exit import ExitHead
@@ -49,7 +50,7 @@ class _Chain:
 
 class SelfDrafter:
     def __init__(self, runner: ModelRunner, exit_layer: int, exit_head: ExitHead, seed_salt: int,
-                 law_sink: Callable[[list[DraftLaws]], None]) -> None:
+                 law_sink: Callable[[list[DraftLaws]], None] | None, tp: TPGroup | None = None) -> None:
         n = num_layers(runner.model)
         if not 1 <= exit_layer <= n - 1:
             raise ValueError(f"exit_layer must be in 1 .. {n - 1} (the target has {n} layers), got {exit_layer}")
@@ -57,7 +58,8 @@ class SelfDrafter:
         self.exit_layer = exit_layer
         self.exit = exit_head
         self.seed_salt = seed_salt  # the draft's streams: never the verifier's (TARGET_SALT)
-        self.law_sink = law_sink
+        self.law_sink = law_sink  # the verifying rank's law store (None on the other tensor-parallel ranks)
+        self.tp = tp or TPGroup.single()
         self._pads: dict[int, _Pad] = {}
         self._next_tree_id = 0
 
@@ -110,13 +112,14 @@ class SelfDrafter:
             else:
                 c.laws.append(probs[i])
                 out.append(drawn[i])
-        return out
+        # Every rank feeds the same tokens next: rank 0's (an unseeded draw uses each process's own generator).
+        return self.tp.broadcast_int_lists([out] if self.tp.is_first else None, 1, logits.device)[0]
 
     def _finish(self, c: _Chain) -> DraftTree:
         drafted = c.pad.tokens[len(c.seq.token_ids):]
         self._pads[c.seq.seq_id] = c.pad
         tree_id = -1
-        if c.laws:
+        if c.laws and self.law_sink is not None:
             tree_id, self._next_tree_id = self._next_tree_id, self._next_tree_id + 1
             self.law_sink([DraftLaws.of(c.seq.seq_id, tree_id, c.laws)])
         parents = list(range(-1, len(drafted) - 1))

@@ -13,8 +13,6 @@ def build_self_drafter(worker: Any) -> SelfDrafter | None:
     cfg = worker.config
     if not cfg.layer_skip_exit_layer:
         return None
-    if worker.tp.size > 1:
-        raise ValueError("method 'layer_skip' runs on a target of tensor_parallel_size 1 in this version")
     adapter = None
     if cfg.layer_skip_adapter:
         adapter = load_adapter(cfg.layer_skip_adapter, device=worker.device)
@@ -25,4 +23,4 @@ def build_self_drafter(worker: Any) -> SelfDrafter | None:
             raise ValueError(f"exit adapter {cfg.layer_skip_adapter!r} reads layer {c.exit_layer}, "
                              f"not exit_layer {cfg.layer_skip_exit_layer}")
     return SelfDrafter(worker.runner, cfg.layer_skip_exit_layer, ExitHead(worker.model, adapter),
-                       cfg.draft_seed_salt, worker.law_store.put)
+                       cfg.draft_seed_salt, worker.law_store.put if worker.tp.is_first else None, worker.tp)
