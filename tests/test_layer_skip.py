@@ -126,3 +126,18 @@ def test_an_adapter_for_another_target_is_refused_naming_both(tmp_path) -> None:
         {"method": "layer_skip", "model": str(tmp_path / "exit"), "num_speculative_tokens": 3}))
     with pytest.raises(ValueError, match="exit adapter for target 'smollm2'.*this target is 'target'"):
         draft_setup(cfg, ModelConfig.from_pretrained(TARGET))
+
+
+@pytest.mark.slow  # builds a random pair and two engines: ~25 s on a loaded machine
+def test_bench_compare_runs_specserve_layer_skip(tmp_path) -> None:
+    import json
+
+    from benchmarks.compare import main as compare_main
+
+    out = tmp_path / "c.json"
+    assert compare_main(["--random-shape", "64,3,128", "--random-dir", str(tmp_path / "pairs"), "--batches", "1",
+                         "--temperatures", "0", "--max-tokens", "6", "--num-prompts", "1", "--repeats", "1",
+                         "--skip-hf", "--skip-floor", "--modes", "specserve_nospec,specserve_layer_skip",
+                         "--exit-layer", "1", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"specserve_nospec", "specserve_layer_skip"} and rows["specserve_layer_skip"]["tok_s"] > 0
