@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from engine.core.compat import check_draft_compatible
 from engine.core.config import EngineConfig, SpeculativeConfig
 from engine.drafting.eagle import draft_model_config, eagle_worker_config, head_max_len
-from engine.drafting.layer_skip_config import LAYER_SKIP, resolve_exit
+from engine.drafting.layer_skip import resolve_exit
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 

@@ -24,8 +24,6 @@ from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.stopping import StopChecker
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
 from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
-from engine.drafting.layer_skip import LayerSkipDrafter
-from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -80,8 +78,8 @@ class LLMEngine:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
-                                                   quantization=config.quantization, model_config=tcfg.to_dict(),
-                                                   **draft.target_options),
+                                                   **draft.target_options, quantization=config.quantization,
+                                                   model_config=tcfg.to_dict()),
                                       draft_cfg, **(dspec.process_options if dspec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
@@ -143,9 +141,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
-        if spec.method == LAYER_SKIP:  # the target drafts with its own early layers
-            return LayerSkipDrafter(self.executor, self.times, self.scheduler.target_blocks.tables)
-        if spec.method in DRAFTLESS_METHODS:
+        if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker (layer_skip: the target)
             return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:

@@ -12,7 +12,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from engine.core.config import ParallelConfig
-from workers.layer_skip.messages import SelfDraftOutput, SelfDraftStep
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput
 from workers.worker_config import WorkerConfig
 
@@ -71,10 +70,6 @@ class LocalExecutor:
         if out.laws_error is not None:  # the in-process draft cannot die alone: only a stuck draft gets here
             raise RuntimeError(out.laws_error)
         return out
-
-    def self_draft(self, msg: SelfDraftStep) -> SelfDraftOutput:
-        """Method layer_skip: the target drafts with its own early layers (workers/layer_skip/)."""
-        return self.target.self_draft(msg)
 
     def shutdown(self) -> None:
         if self._pool is not None:

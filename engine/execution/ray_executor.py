@@ -24,7 +24,6 @@ from engine.execution.ray_cluster import PlacementGroups, init_ray
 from engine.execution.role import Role
 from engine.execution.worker_actor import OP_ECHO, OP_STEP, OP_STOP, WorkerProcess, node_ip
 from workers.law_channel import first_tree_id
-from workers.layer_skip.messages import SelfDraftOutput, SelfDraftStep
 from workers.messages import DraftStep, DraftStepOutput, TargetStep, TargetStepOutput, WorkerReply
 from workers.worker_config import WorkerConfig
 
@@ -307,11 +306,6 @@ class RayExecutor:
         return out
 
     # ------------------------------------------------------------------------------------------- recovery
-    def self_draft(self, msg: SelfDraftStep) -> SelfDraftOutput:
-        """Method layer_skip: every target rank drafts with its early layers (workers/layer_skip/)."""
-        self._submit(Role.TARGET, codec.encode(msg))
-        return self._wait(Role.TARGET)
-
     def discard_in_flight(self, role: Role) -> None:
         """Forget a call to ``role`` that will never be answered (its worker died): nothing is waited for."""
         self._in_flight.pop(role, None)

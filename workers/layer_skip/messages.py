@@ -26,3 +26,4 @@ class SelfDraftStep:
 class SelfDraftOutput:
     trees: list[DraftTree]  # one per seq, in order (tree_id: the laws' key in the target's law store, -1 greedy)
     elapsed_s: float
+    laws_error: None = None  # never set: read by the executors' ``wait_target``, which carries this call too
