@@ -83,21 +83,31 @@ def train_adapter(target_path: str, seqs: list[list[int]], layer: int, out: str,
             "loss": round(loss_v, 4), "train_top1": round(top1, 3), "config": asdict(cfg)}
 
 
-def measure(target: str, adapter: str | None, prompts: list, k: int, max_tokens: int = 64) -> dict:
-    """Batch 1 greedy on ``prompts`` one at a time: mean acceptance length and tokens/s (None: no speculation)."""
+def measure(target: str, adapters: dict[str, str | None], prompts: list, k: int, max_tokens: int = 64) -> dict:
+    """Batch 1 greedy, every setup loaded at once and run in turn on each prompt (so machine load hits them alike):
+    mean acceptance length and tokens/s per name (an adapter of None: no speculation)."""
     from engine import LLM, SamplingParams
 
-    spec = None if adapter is None else {"method": "layer_skip", "model": adapter, "num_speculative_tokens": k}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with LLM(target, spec, max_num_seqs=1) as llm:
-        llm.generate(prompts[:1], params)  # warm-up
-        llm.engine.reset_stats()
-        start, n = time.perf_counter(), 0
+    llms = {name: LLM(target, None if a is None else {"method": "layer_skip", "model": a, "num_speculative_tokens": k},
+                      max_num_seqs=1) for name, a in adapters.items()}
+    seconds = dict.fromkeys(llms, 0.0)
+    tokens = dict.fromkeys(llms, 0)
+    try:
+        for llm in llms.values():
+            llm.generate(prompts[:1], params)  # warm-up
+            llm.engine.reset_stats()
         for p in prompts:
-            n += len(llm.generate([p], params)[0].token_ids)
-        tps = n / (time.perf_counter() - start)
-        acc = llm.engine.stats.mean_acceptance_length if adapter else 1.0
-    return {"mean_acceptance_length": round(acc, 3), "tokens_per_s": round(tps, 1)}
+            for name, llm in llms.items():
+                start = time.perf_counter()
+                tokens[name] += len(llm.generate([p], params)[0].token_ids)
+                seconds[name] += time.perf_counter() - start
+        return {name: {"mean_acceptance_length": round(llm.engine.stats.mean_acceptance_length, 3)
+                       if adapters[name] else 1.0, "tokens_per_s": round(tokens[name] / seconds[name], 1)}
+                for name, llm in llms.items()}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
 
 
 CARD = """# Exit adapter for {target}
@@ -109,8 +119,8 @@ uses it). Trained on a frozen target: KL(target || exit), training/exit_adapter.
 
 - **Command**: `{command}`
 - **Runs** (per L: steps, seconds on a shared 2-core CPU, train top-1 agreement with the target): {runs}
-- **Choice of L** (engine, held-out prompts, batch 1 greedy, K = {k}, the loaded machine, one run side by side;
-  acceptance length incl. the bonus token, tokens/s): {table}
+- **Choice of L**, the best tokens/s (engine, {n} held-out prompts, batch 1 greedy, K = {k}, every setup loaded at
+  once and run in turn per prompt on the loaded machine; acceptance length incl. the bonus token): {table}
 """
 
 
@@ -141,29 +151,27 @@ def main(argv: list[str] | None = None) -> None:
     seqs, _ = builtin_sequences(target, n[0], cfg.seq_len, n[1], n[2], cfg.seed)
     layers = [int(x) for x in a.layers.split(",")][:1 if a.quick else None]
     prompts = [] if a.quick else heldout_prompts("builtin", "")[: a.prompts]
-    runs, table = {}, {"none": measure(target, None, prompts, a.k) if prompts else {}}
+    runs, outs = {}, {}
     for layer in layers:
-        out = a.out if len(layers) == 1 else f"{a.out}.L{layer}"
-        runs[layer] = train_adapter(target, seqs, layer, out, cfg)
+        outs[layer] = a.out if len(layers) == 1 else f"{a.out}.L{layer}"
+        runs[layer] = train_adapter(target, seqs, layer, outs[layer], cfg)
         print(json.dumps({k: v for k, v in runs[layer].items() if k != "config"}), flush=True)
-        if prompts:
-            table[f"L{layer}"] = measure(target, out, prompts, a.k)
-            print(json.dumps(table), flush=True)
-    best = layers[0]
-    if prompts:
-        best = max(layers, key=lambda L: table[f"L{L}"]["tokens_per_s"])
+    table = measure(target, {"none": None, **{f"L{L}": outs[L] for L in layers}}, prompts, a.k) if prompts else {}
+    print(json.dumps(table), flush=True)
+    best = max(layers, key=lambda L: table[f"L{L}"]["tokens_per_s"]) if prompts else layers[0]
     if len(layers) > 1:
         if os.path.exists(a.out):
             shutil.rmtree(a.out)
-        shutil.copytree(f"{a.out}.L{best}", a.out)
+        shutil.copytree(outs[best], a.out)
         for layer in layers:
-            shutil.rmtree(f"{a.out}.L{layer}")
+            shutil.rmtree(outs[layer])
     runs_txt = "; ".join(f"L {r['exit_layer']}: {r['steps']} steps, {r['seconds']} s, top-1 {r['train_top1']}"
                          for r in runs.values())
     with open(os.path.join(a.out, "MODEL_CARD.md"), "w") as f:
         f.write(CARD.format(target=target_name(target), width=cfg.adapter_size, layer=best,
                             layers=ExitAdapterConfig.from_pretrained(a.out).num_layers,
                             command="python -m training.exit_adapter " + " ".join(argv), runs=runs_txt, k=a.k,
+                            n=len(prompts),
                             table=json.dumps(table) if prompts else "not measured (--quick)"))
 
 
