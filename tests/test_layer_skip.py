@@ -141,3 +141,18 @@ def test_bench_compare_runs_specserve_layer_skip(tmp_path) -> None:
                          "--exit-layer", "1", "--json", str(out)]) == 0
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"specserve_nospec", "specserve_layer_skip"} and rows["specserve_layer_skip"]["tok_s"] > 0
+
+
+def test_the_built_in_target_drafts_with_its_shipped_adapter() -> None:
+    """``{"method": "layer_skip"}`` alone on the built-in target: its shipped exit adapter at the adapter's L."""
+    from engine.core.config import DEFAULT_MODELS_DIR
+
+    shipped = DEFAULT_MODELS_DIR / "target-exit"
+    layer = ExitAdapterConfig.from_pretrained(str(shipped)).exit_layer
+    cfg = EngineConfig(target=TARGET, speculative=SpeculativeConfig.parse({"method": "layer_skip"}))
+    opts = draft_setup(cfg, ModelConfig.from_pretrained(TARGET)).target_options
+    assert opts == {"layer_skip_exit_layer": layer, "layer_skip_adapter": str(shipped)}
+    with pytest.raises(ValueError, match=f"trained on layer {layer}"):
+        draft_setup(EngineConfig(target=TARGET, speculative=SpeculativeConfig.parse(
+            {"method": "layer_skip", "model": str(shipped), "exit_layer": layer % 7 + 1})),
+            ModelConfig.from_pretrained(TARGET))

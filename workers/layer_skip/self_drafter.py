@@ -99,19 +99,17 @@ class SelfDrafter:
     def _draw(self, chains: list[_Chain], logits: torch.Tensor) -> list[int]:
         """One token per chain from the exit's logits [B, V]: argmax for greedy requests, else a draw from the
         transformed softmax, whose row is recorded as that token's law."""
-        specs = [c.seq.sampling for c in chains]
-        probs = logits_to_probs(logits, sampling_batch(specs, [1] * len(specs), logits.device))  # [B, V]
-        gens = [stream(c.seq.sampling, self.seed_salt, c.seq.base_len + len(c.pad.tokens), logits.device)
-                for c in chains]
-        drawn = sample(probs, gens).tolist()
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, c in enumerate(chains):
-            if c.seq.sampling.greedy:
-                out.append(greedy[i])
-            else:
-                c.laws.append(probs[i])
-                out.append(drawn[i])
+        out = logits.argmax(dim=-1).tolist()  # greedy rows: no law is recorded (verified as one-hot)
+        drawing = [i for i, c in enumerate(chains) if not c.seq.sampling.greedy]
+        if drawing:
+            rows = logits[drawing]  # [S, V]
+            specs = [chains[i].seq.sampling for i in drawing]
+            probs = logits_to_probs(rows, sampling_batch(specs, [1] * len(specs), logits.device))  # [S, V]
+            gens = [stream(chains[i].seq.sampling, self.seed_salt,
+                           chains[i].seq.base_len + len(chains[i].pad.tokens), logits.device) for i in drawing]
+            for i, law, tok in zip(drawing, probs, sample(probs, gens).tolist(), strict=True):
+                chains[i].laws.append(law)
+                out[i] = tok
         # Every rank feeds the same tokens next: rank 0's (an unseeded draw uses each process's own generator).
         return self.tp.broadcast_int_lists([out] if self.tp.is_first else None, 1, logits.device)[0]
 
