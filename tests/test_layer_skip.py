@@ -156,3 +156,14 @@ def test_the_built_in_target_drafts_with_its_shipped_adapter() -> None:
         draft_setup(EngineConfig(target=TARGET, speculative=SpeculativeConfig.parse(
             {"method": "layer_skip", "model": str(shipped), "exit_layer": layer % 7 + 1})),
             ModelConfig.from_pretrained(TARGET))
+
+
+def test_the_cli_config_for_the_built_in_target_adds_no_draft_model() -> None:
+    """``--speculative-config '{"method": "layer_skip"}'`` on the built-in target: its shipped adapter, not the
+    built-in draft (which a draft-model config without ``model`` gets)."""
+    from engine.core.args import EngineArgs
+
+    cfg = EngineArgs(speculative_config='{"method": "layer_skip"}').to_engine_config()
+    assert cfg.speculative.model is None and cfg.speculative.draft_spec is None
+    opts = draft_setup(cfg, ModelConfig.from_pretrained(cfg.target)).target_options
+    assert opts["layer_skip_adapter"].endswith("target-exit")
