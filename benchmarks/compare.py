@@ -58,6 +58,7 @@ EAGLE_MODES = ("specserve_eagle", "specserve_eagle_tree")
 
 # Draftless modes (engine/drafting/): prompt lookup and suffix decoding, run only when --modes names them.
 DRAFTLESS_MODES = ("specserve_ngram", "specserve_suffix")
+LAYER_SKIP_MODES = ("specserve_layer_skip",)  # the target's own early layers draft a chain of --k
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -203,6 +204,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="EAGLE head of the eagle modes (specserve_eagle: a chain of --k; specserve_eagle_tree: a "
                          "dynamic tree of --eagle-nodes nodes, depth --k); default: the built-in target's shipped head")
     ap.add_argument("--eagle-nodes", type=int, default=8, help="node budget of specserve_eagle_tree")
+    ap.add_argument("--exit-layer", type=int, default=None,
+                    help="specserve_layer_skip's exit layer (default: the target's shipped exit adapter and its L)")
+    ap.add_argument("--exit-adapter", default=None, help="specserve_layer_skip's exit adapter directory")
     return ap.parse_args(argv)
 
 
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     fixed_ks = [int(x) for x in args.fixed_ks.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
     modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks]
-    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES + DRAFTLESS_MODES)
+    unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES + DRAFTLESS_MODES + LAYER_SKIP_MODES)
                      - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         specs["specserve_eagle"] = {"method": "eagle3", "model": head, "num_speculative_tokens": args.k,
                                     "adaptive": False}
         specs["specserve_eagle_tree"] = {**specs["specserve_eagle"], "num_draft_tokens": args.eagle_nodes}
+    specs["specserve_layer_skip"] = {"method": "layer_skip", "num_speculative_tokens": args.k,
+                                     **({"exit_layer": args.exit_layer} if args.exit_layer else {}),
+                                     **({"model": args.exit_adapter} if args.exit_adapter else {})}
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
     hf = None
     if any(m.startswith("hf_") for m in modes) or not args.skip_floor:

@@ -16,6 +16,7 @@ import torch
 from engine.execution import codec
 from workers import messages as m
 from workers.law_channel import DraftLaws, pack_laws, unpack_laws
+from workers.layer_skip import messages as ls
 
 SPEC = m.SamplingSpec(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, seed=(1 << 63) - 1)
 GREEDY = m.SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None)
@@ -64,6 +65,11 @@ def _examples() -> dict[str, object]:
         "TokenLogprobs": m.TokenLogprobs([-1.5, -0.125], [[1], [2]], [[-1.0], [-float("inf")]]),
         "WorkerReply": m.WorkerReply(result=m.TargetStepOutput(first_tokens={}, results=[result])),
         "TreeLaws": pack_laws(DraftLaws.of(3, 12, [probs[0], probs[1].where(probs[1] > 0.005, 0.0)])),
+        # method layer_skip's self-draft call (workers/layer_skip/messages.py)
+        "SelfDraftSeq": ls.SelfDraftSeq(seq_id=3, block_table=[0, 7], base_len=12, token_ids=[44], sampling=SPEC,
+                                        num_tokens=4),
+        "SelfDraftStep": ls.SelfDraftStep(seqs=[ls.SelfDraftSeq(4, [1], 0, [9, 8], GREEDY, 2)]),
+        "SelfDraftOutput": ls.SelfDraftOutput(trees=[_tree()], elapsed_s=0.5),
     }
 
 

@@ -20,6 +20,8 @@ from workers.eagle.features import FeatureSink, SeqFeatures, committed_rows
 from workers.grammar_mask import apply_allowed
 from workers.input_batch import SeqForward
 from workers.law_channel import LawStore, LawsUnavailable
+from workers.layer_skip.messages import SelfDraftOutput, SelfDraftStep
+from workers.layer_skip.setup import build_self_drafter
 from workers.logprobs import prefill_logit_nodes, prefill_logprobs, verify_logprobs
 from workers.messages import (
     ONE_HOT_TREE,
@@ -67,6 +69,8 @@ class TargetWorker(WorkerBase):
         # An EAGLE head drafting for this target: where the committed rows' hidden states go (rank 0 only), set
         # with ``feed_eagle`` (workers/eagle/features.py). None: nothing is captured.
         self.feature_sink: FeatureSink | None = None
+        # Self-speculation (method layer_skip): drafts with the early layers, verifies from layer L. None: off.
+        self.self_drafter = build_self_drafter(self)
 
     def feed_eagle(self, layers: tuple[int, ...], sink: FeatureSink | None) -> None:
         """Capture ``layers``' hidden states in every forward and hand the committed rows to ``sink``."""
@@ -78,9 +82,11 @@ class TargetWorker(WorkerBase):
         return self.model_config.vocab_size
 
     @torch.inference_mode()
-    def step(self, msg: TargetStep) -> TargetStepOutput:
+    def step(self, msg: TargetStep | SelfDraftStep) -> TargetStepOutput | SelfDraftOutput:
         """Every tensor-parallel rank runs the forward; rank 0 samples and verifies, then tells the others
         which paths to commit (each rank holds its own heads' KV)."""
+        if isinstance(msg, SelfDraftStep):  # method layer_skip's draft call, sent to every rank like a step
+            return self.self_draft(msg)
         start = time.perf_counter()
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
@@ -89,7 +95,10 @@ class TargetWorker(WorkerBase):
             piece.logit_nodes = prefill_logit_nodes(p)  # every row when it asks for prompt logprobs (echo)
         num_pre = sum(len(piece.logit_nodes) for piece in pieces)
         pieces += [_verify_piece(s) for s in msg.seqs]
-        logits = self.runner.forward(pieces)  # [prefill rows + sum(N_i + 1), V], the same on every rank
+        if self.self_drafter is not None:  # self-drafted rounds start at layer L (workers/layer_skip/)
+            logits = self.self_drafter.forward(pieces, [None] * len(msg.prefills) + [s.seq_id for s in msg.seqs])
+        else:
+            logits = self.runner.forward(pieces)  # [prefill rows + sum(N_i + 1), V], the same on every rank
 
         first_tokens: dict[int, int] = {}
         results: list[VerifyResult] = []
@@ -121,6 +130,12 @@ class TargetWorker(WorkerBase):
         lp = first_lp | verify_logprobs(msg.seqs, logits[num_pre:], results) if self.tp.is_first else {}
         return TargetStepOutput(first_tokens, results, time.perf_counter() - start, logprobs=lp,
                                 prompt_logprobs=prompt_lp)
+
+    def self_draft(self, msg: SelfDraftStep) -> SelfDraftOutput:
+        """Drafts with the target's own early layers (method layer_skip); the next ``step`` verifies from layer L."""
+        if self.self_drafter is None:
+            raise RuntimeError("self_draft on a target worker built without layer_skip_exit_layer")
+        return self.self_drafter.draft(msg)
 
     def _features(self, msg: TargetStep, results: list[VerifyResult]) -> list[SeqFeatures]:
         """The captured hidden states of every row now committed: prompt chunks, in-flight tokens, accepted paths."""

@@ -29,6 +29,10 @@ class WorkerConfig:
     eagle_target: str | None = None
     eagle_target_config: dict | None = None
     eagle_topk: int = 0
+    # Self-speculation (workers/layer_skip/), target only: the target drafts with its layers 0..L-1 and an exit
+    # (0: it does not); the exit adapter's directory (None: the target's own final norm and head).
+    layer_skip_exit_layer: int = 0
+    layer_skip_adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:

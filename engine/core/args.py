@@ -23,6 +23,7 @@ from engine.core.config import (
 )
 from engine.core.parallel_config import EXECUTOR_BACKENDS, TRANSPORTS, ParallelConfig
 from engine.drafting.eagle import shipped_head
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from scheduler.scheduler import SchedulerConfig
 
 _NO_SPECULATION = ("none", "null", "")
@@ -138,7 +139,8 @@ class EngineArgs:
                 spec = SpeculativeConfig.as_dict(spec)
                 if spec.get("method") in EAGLE_METHODS and "model" not in spec:  # the target's shipped head
                     spec["model"] = shipped_head(short_name)
-                spec = {"model": draft, **spec}
+                if spec.get("method") != LAYER_SKIP:  # layer_skip: the target drafts itself, no draft model
+                    spec = {"model": draft, **spec}
         return EngineConfig(
             target=target, speculative=None if no_spec else SpeculativeConfig.parse(spec), tokenizer=self.tokenizer,
             dtype=self.dtype, device=self.device, max_model_len=self.max_model_len, quantization=self.quantization,

@@ -10,6 +10,7 @@ from pathlib import Path
 from engine.core.parallel_config import ParallelConfig
 from engine.drafting.draftless_config import DRAFTLESS_METHODS, check_draftless, check_fallback
 from engine.drafting.eagle_keys import check_eagle_keys
+from engine.drafting.layer_skip_config import LAYER_SKIP, check_layer_skip
 from scheduler.scheduler import SchedulerConfig
 from scheduler.spec_policy import TreeShape
 from workers.gguf_loader import is_gguf, resolve_model_path
@@ -22,7 +23,7 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # a fixed depth (adaptive: false) the user d
 DEFAULT_ADAPTIVE_MAX_TOKENS = 8
 TREE_SAMPLING_MODES = ("iid", "without_replacement", "deterministic")
 # "draft": an alias kept for older vLLM configs
-SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle", *DRAFTLESS_METHODS)
+SPEC_METHODS = ("draft_model", "draft", "eagle3", "eagle", *DRAFTLESS_METHODS, LAYER_SKIP)
 EAGLE_METHODS = ("eagle3", "eagle")  # a head fed the target's hidden states (engine/drafting/eagle.py)
 
 
@@ -133,6 +134,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_cross_request: bool = True  # false: no cache of other requests' outputs
     fallback: dict | SpeculativeConfig | None = None  # a draft model's config, drafting where no match is found
+    exit_layer: int | None = None  # method layer_skip: the target's layers 0..L-1 draft (engine/drafting/layer_skip.py)
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -140,7 +142,9 @@ class SpeculativeConfig:
                              f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
-        if self.method in DRAFTLESS_METHODS:
+        if self.method == LAYER_SKIP:
+            check_layer_skip(self)
+        elif self.method in DRAFTLESS_METHODS:
             check_draftless(self)
         elif self.fallback is not None:
             raise ValueError("speculative_config.fallback is for methods 'ngram' and 'suffix'")
@@ -203,6 +207,8 @@ class SpeculativeConfig:
     @property
     def draft_spec(self) -> SpeculativeConfig | None:
         """The draft model's config (the worker to start): this one, the fallback's, or None (draftless)."""
+        if self.method == LAYER_SKIP:
+            return None  # the target drafts itself
         return self.fallback if self.method in DRAFTLESS_METHODS else self
 
     @property
@@ -280,7 +286,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
-        if "model" not in value and value.get("method") not in DRAFTLESS_METHODS:
+        if "model" not in value and value.get("method") not in (*DRAFTLESS_METHODS, LAYER_SKIP):
             raise ValueError("speculative_config.model is required (the draft model or EAGLE head directory)")
         return cls(**value)
 

@@ -3,16 +3,19 @@
 Three shapes of ``speculative_config`` start a draft worker differently (docs/architecture.md):
 - a draft model (``draft_model``): its own checkpoint, checked against the target's tokenizer and vocabulary;
 - an EAGLE head (``eagle3`` / ``eagle``): the head directory plus the target it reads its embedding from;
-- draftless (``ngram`` / ``suffix``): no worker, unless a ``fallback`` draft model drafts where they find no match.
+- draftless (``ngram`` / ``suffix``): no worker, unless a ``fallback`` draft model drafts where they find no match;
+- self-speculation (``layer_skip``): no worker; the target drafts itself (``target_options``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.compat import check_draft_compatible
 from engine.core.config import EngineConfig, SpeculativeConfig
 from engine.drafting.eagle import draft_model_config, eagle_worker_config, head_max_len
+from engine.drafting.layer_skip import resolve_exit
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from workers.model_config import ModelConfig
 from workers.worker_config import WorkerConfig
 
@@ -22,6 +25,8 @@ class DraftSetup:
     spec: SpeculativeConfig | None  # the config of what the draft worker runs (None: no draft worker)
     model_config: ModelConfig | None  # a draft model's (None for an EAGLE head or no worker)
     eagle: bool  # the worker runs an EAGLE head fed the target's hidden states
+    # WorkerConfig fields of the target itself: method layer_skip's exit layer and adapter (the target drafts)
+    target_options: dict = field(default_factory=dict)
 
     def worker_config(self, config: EngineConfig, target_config: ModelConfig, num_blocks: int) -> WorkerConfig | None:
         if self.eagle:
@@ -47,6 +52,9 @@ def draft_setup(config: EngineConfig, target_config: ModelConfig) -> DraftSetup:
     spec = config.speculative
     if spec is None:
         return DraftSetup(None, None, False)
+    if spec.method == LAYER_SKIP:  # no draft worker: the target drafts with its own early layers
+        layer, adapter = resolve_exit(spec, config.target, target_config)
+        return DraftSetup(None, None, False, {"layer_skip_exit_layer": layer, "layer_skip_adapter": adapter})
     dspec = spec.draft_spec  # this config, a draftless method's fallback, or None
     if dspec is None:
         return DraftSetup(None, None, False)

@@ -79,7 +79,8 @@ class LLMEngine:
             dcfg.check_tp(parallel.draft_tensor_parallel_size)
         self.executor = make_executor(parallel,
                                       WorkerConfig(config.target, num_blocks, bs, config.dtype, config.device,
-                                                   quantization=config.quantization, model_config=tcfg.to_dict()),
+                                                   **draft.target_options, quantization=config.quantization,
+                                                   model_config=tcfg.to_dict()),
                                       draft_cfg, **(dspec.process_options if dspec is not None else {}))
         self.vocab_size = tcfg.vocab_size
         self.eos_token_ids = set(tcfg.eos_token_ids)
@@ -142,7 +143,7 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
-        if spec.method in DRAFTLESS_METHODS:
+        if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker (layer_skip: the target)
             return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:

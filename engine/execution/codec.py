@@ -16,6 +16,7 @@ import torch
 
 from workers import messages
 from workers.law_channel import TreeLaws
+from workers.layer_skip.messages import SelfDraftOutput, SelfDraftSeq, SelfDraftStep
 
 _EXT_DATACLASS = 1
 _EXT_TENSOR = 2
@@ -25,7 +26,8 @@ _CLASSES: dict[str, type] = {
     for cls in (messages.SamplingSpec, messages.PrefillSeq, messages.DraftCommit, messages.DraftSeq,
                 messages.DraftStep, messages.GuessSpec, messages.DraftTree, messages.DraftResult,
                 messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.VerifyResult,
-                messages.TargetStepOutput, messages.WorkerReply, messages.TokenLogprobs, TreeLaws)
+                messages.TargetStepOutput, messages.WorkerReply, messages.TokenLogprobs, TreeLaws,
+                SelfDraftSeq, SelfDraftStep, SelfDraftOutput)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()

@@ -1,0 +1,29 @@
+"""The self-draft call: what the controller asks the target's ranks to draft (ints only, like every message)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.messages import DraftTree, SamplingSpec
+
+
+@dataclass
+class SelfDraftSeq:
+    seq_id: int
+    block_table: list[int]  # the target's: drafting writes the target's own scratch slots
+    base_len: int  # tokens with committed target KV
+    token_ids: list[int]  # the in-flight tokens (fed first)
+    sampling: SamplingSpec
+    num_tokens: int  # K: the chain's length this round
+
+
+@dataclass
+class SelfDraftStep:
+    seqs: list[SelfDraftSeq] = field(default_factory=list)
+
+
+@dataclass
+class SelfDraftOutput:
+    trees: list[DraftTree]  # one per seq, in order (tree_id: the laws' key in the target's law store, -1 greedy)
+    elapsed_s: float
+    laws_error: None = None  # never set: read by the executors' ``wait_target``, which carries this call too
