@@ -132,6 +132,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_cross_request: bool = True  # false: no cache of other requests' outputs
+    suffix_decoding_max_request_tokens: int = 1 << 13  # a request's own trie indexes its last this-many tokens
     fallback: dict | SpeculativeConfig | None = None  # a draft model's config, drafting where no match is found
 
     def __post_init__(self) -> None:
