@@ -93,6 +93,7 @@ class LLMEngine:
                                                                                 and not spec.pipeline))
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
+        self.tenant: str | None = None  # who requests come from (the server: a digest of its API key)
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
         self.drafter: Drafter = self._new_drafter()
         self.draft_up = spec is not None  # False while a dead draft is being replaced: no speculation then
@@ -176,6 +177,7 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
+        req.tenant = self.tenant
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)

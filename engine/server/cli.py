@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.core.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
-    from engine.server.auth import resolve_api_key
+    from engine.server.auth import resolve_api_key, tenant_of
     from engine.server.limits import ServerLimits, limited_protocol
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
@@ -108,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
     engine = LLMEngine.create(config)
+    engine.tenant = tenant_of(api_key, name)  # the suffix cache's scope; the key itself is not kept
     try:
         metrics = ServerMetrics(name)
         collector = None
@@ -118,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics.registry.register(collector)
 
         def on_new_engine(new: LLMEngine) -> None:  # a rebuilt engine's worker restarts count from zero
+            new.tenant = engine.tenant
             if collector is not None and new.recovery is not None:
                 collector.stats = new.recovery.stats
 
