@@ -141,7 +141,8 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
-        if spec.method in DRAFTLESS_METHODS:
+        if spec.method in DRAFTLESS_METHODS:  # no draft forwards of its own to time (a fallback's are its own)
+            self._draft_calls = DraftCalls(self.executor, self.times, {})
             return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
         calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:

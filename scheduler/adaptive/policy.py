@@ -108,26 +108,20 @@ class AdaptivePolicy:
             return fixed
         if not costs.ready:
             return self._cold(views, fixed)
+        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
+        # (pinned requests keep their shapes) whatever the curves predict, without planning (its own time counts
+        # at batch 1); the planned speculation still runs as an exploration when the budget allows (what a step
+        # of it loses sets how often), so a workload that starts accepting more is seen.
+        loss = self.realized.loss(len(views))
+        if loss > 0 and (prefill or self.realized.steps_since(len(views), True) < self.explorer.interval(loss)):
+            plain = [v.pinned or () for v in views]
+            self._last.update((v.seq_id, s) for v, s in zip(views, plain, strict=True))
+            return plain
         best = plan(views, costs, tree, self.config, self._last)
-        vetoed = self._measured_slower(views, best, prefill)
-        if vetoed is not None:
-            self._last.update((v.seq_id, s) for v, s in zip(views, vetoed, strict=True))
-            return vetoed
         self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
-        return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
-
-    def _measured_slower(self, views: list[Req], best: Plan, prefill: bool) -> list[tuple[int, ...]] | None:
-        """Plain decode (pinned requests keep their shapes) where speculative steps have measured slower than
-        plain ones at this batch size, whatever the curves predict; the planned speculation still runs as an
-        exploration when the budget allows (what it loses a step by sets how often), so a workload that starts
-        accepting more is seen. None: no veto."""
-        n = len(views)
-        loss = self.realized.loss(n)
-        if loss <= 0 or not any(s for v, s in zip(views, best.shapes, strict=True) if v.pinned is None):
-            return None
-        if not prefill and self.realized.steps_since(n, True) >= self.explorer.interval(loss):
+        if loss > 0:  # an exploration of what the planner would run
             return best.shapes
-        return [v.pinned or () for v in views]
+        return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
               pin: tuple[int, ...] | None = None) -> Req:
