@@ -49,9 +49,9 @@ def test_the_tenant_is_a_digest_of_key_and_model_and_scopes_the_suffix_cache(sma
     target, _ = small_vocab
     llm = LLM(target, SUFFIX, max_model_len=64)
     try:
-        llm.engine.tenant = a
+        llm.engine.config.tenant = a
         llm.generate([PROMPT], GREEDY)
-        llm.engine.tenant = b
+        llm.engine.config.tenant = b
         llm.generate([PROMPT[:6]], GREEDY)
         llm.generate([PROMPT[:4]], GREEDY)  # a finished request is settled into the cache at the next step
         cache = llm.engine.drafter.proposer.cache

@@ -328,6 +328,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # who every request comes from, scoping what is cached across requests (the suffix cache): the server sets a
+    # digest of its API key and served model name (engine/server/auth.py: tenant_of); None: one local user
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         # Short names (``smollm2``) become the GGUF file a pip package installed; a missing package is an

@@ -93,7 +93,6 @@ class LLMEngine:
                                                                                 and not spec.pipeline))
         self.stats = SpecDecodingStats()
         self.times = StepTimes()
-        self.tenant: str | None = None  # who requests come from (the server: a digest of its API key)
         self.pipeline: PipelinedDrafter | None = None  # its .stats: pre-draft hits and hidden draft time
         self.drafter: Drafter = self._new_drafter()
         self.draft_up = spec is not None  # False while a dead draft is being replaced: no speculation then
@@ -141,10 +140,10 @@ class LLMEngine:
         spec = self.config.speculative
         if spec is None:
             return NoDrafter()
-        if spec.method in DRAFTLESS_METHODS:  # no draft forwards of its own to time (a fallback's are its own)
-            self._draft_calls = DraftCalls(self.executor, self.times, {})
+        draft_tables = self.scheduler.draft_blocks.tables if self.scheduler.draft_blocks is not None else {}
+        calls = self._draft_calls = DraftCalls(self.executor, self.times, draft_tables)  # draftless: never called
+        if spec.method in DRAFTLESS_METHODS:
             return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
-        calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
         if spec.pipeline:
             policy = self.scheduler.policy
             self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, policy.reach, spec.pipeline_width)
@@ -177,8 +176,7 @@ class LLMEngine:
                              "(prompt + at least one generated token must fit)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
-        req.tenant = self.tenant
+        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority, tenant=self.config.tenant)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)

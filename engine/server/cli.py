@@ -107,8 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     job_store.claim()  # a second server on the same directory is refused here, before its model loads
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
+    config.tenant = tenant_of(api_key, name)  # the suffix cache's scope; the key itself is not kept
     engine = LLMEngine.create(config)
-    engine.tenant = tenant_of(api_key, name)  # the suffix cache's scope; the key itself is not kept
     try:
         metrics = ServerMetrics(name)
         collector = None
@@ -119,7 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics.registry.register(collector)
 
         def on_new_engine(new: LLMEngine) -> None:  # a rebuilt engine's worker restarts count from zero
-            new.tenant = engine.tenant
             if collector is not None and new.recovery is not None:
                 collector.stats = new.recovery.stats
 
