@@ -92,7 +92,8 @@ class SpeculativeConfig:
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
       tree) per request from measured costs and acceptance (docs/adaptive.md); default true unless
-      ``num_speculative_tokens_per_batch_size`` fixes the schedule; false runs ``num_speculative_tokens`` (and
+      ``num_speculative_tokens_per_batch_size`` fixes the schedule (false for ngram / suffix, which accept true
+      without a fallback); false runs ``num_speculative_tokens`` (and
       the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
       depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the
@@ -133,6 +134,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     suffix_decoding_cross_request: bool = True  # false: no cache of other requests' outputs
+    suffix_decoding_max_request_tokens: int = 1 << 13  # a request's own trie indexes its last this-many tokens
     fallback: dict | SpeculativeConfig | None = None  # a draft model's config, drafting where no match is found
     exit_layer: int | None = None  # method layer_skip: the target's layers 0..L-1 draft (engine/drafting/layer_skip.py)
 
@@ -332,6 +334,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # who every request comes from, scoping what is cached across requests (the suffix cache): the server sets a
+    # digest of its API key and served model name (engine/server/auth.py: tenant_of); None: one local user
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         # Short names (``smollm2``) become the GGUF file a pip package installed; a missing package is an

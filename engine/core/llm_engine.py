@@ -23,8 +23,8 @@ from engine.core.outputs import RequestDelta, RequestOutput
 from engine.core.policy_warmup import build_policy, warm_up_policy
 from engine.core.step_extras import StepExtras
 from engine.core.stopping import StopChecker
-from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter, sampling_spec
-from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
+from engine.drafting.build import build_drafter
+from engine.drafting.drafter import Drafter, NoDrafter, sampling_spec
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from engine.execution.executor import make_executor
 from engine.execution.faults import WorkerDiedError
@@ -140,20 +140,10 @@ class LLMEngine:
             reset(self.pipeline.stats)
 
     def _new_drafter(self) -> Drafter:
-        spec = self.config.speculative
-        if spec is None:
-            return NoDrafter()
-        if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker (layer_skip: the target)
-            return draftless_drafter(spec, self.stats, self.executor, self.times, self.scheduler)
-        calls = self._draft_calls = DraftCalls(self.executor, self.times, self.scheduler.draft_blocks.tables)
-        if spec.pipeline:
-            policy = self.scheduler.policy
-            self.pipeline = PipelinedDrafter(calls, self.tree, self.draft_max_len, policy.reach, spec.pipeline_width)
-            self.pipeline.switch.enabled = spec.pipeline_switch
-            if isinstance(policy, AdaptivePolicy):
-                self.pipeline.switch.config = policy.config
-            return self.pipeline
-        return SequentialDrafter(calls, lazy_prefill=self.scheduler.lazy_draft_prefill)
+        drafter, self._draft_calls, self.pipeline = build_drafter(
+            self.config.speculative, self.executor, self.scheduler, self.stats, self.times, self.tree,
+            self.draft_max_len)
+        return drafter
 
     # ----------------------------------------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -178,7 +168,7 @@ class LLMEngine:
                              "(prompt + at least one generated token must fit)")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority)
+        req = Request(next(self._seq_ids), request_id, token_ids, params, priority=priority, tenant=self.config.tenant)
         # Unseeded requests get a private random seed: every tensor-parallel rank then draws the same
         # candidates and uniforms without exchanging them, and no request's stream depends on another's.
         req.seed = params.seed if params.seed is not None else secrets.randbits(63)

@@ -51,7 +51,15 @@ def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, d
     base = SpecPolicy(tree, max_model_len, draft_max_len)
     if spec.batch_size_schedule is not None:
         return BatchSizeSchedule(tree, max_model_len, draft_max_len, table=spec.batch_size_schedule)
-    return AdaptivePolicy(base) if spec.is_adaptive else base
+    if not spec.is_adaptive:
+        return base
+    policy = AdaptivePolicy(base)
+    if spec.model is None:  # draftless: proposals cost the controller, not a draft forward (never measured)
+        for costs in (policy.costs, policy.sampled_costs):
+            for tokens in (1, 2):
+                costs.draft.observe(tokens, 0.0)
+                costs.draft_call.observe(tokens, 0.0)
+    return policy
 
 
 def cache_dir() -> Path | None:
@@ -84,7 +92,8 @@ def profile_key(engine: LLMEngine) -> str:
             for d in _CODE_DIRS for f in sorted((root / d).rglob("*.py"))]
     material = {
         "format": CACHE_FORMAT, "target": [cfg.target, _files_stat(cfg.target)],
-        "draft": [cfg.speculative.model, _files_stat(cfg.speculative.model)] if cfg.speculative else None,
+        "draft": ([cfg.speculative.model, _files_stat(cfg.speculative.model)]
+                  if cfg.speculative is not None and cfg.speculative.model else None),  # draftless: none
         "speculative": spec, "dtype": cfg.dtype, "quantization": cfg.quantization, "device": cfg.device,
         "max_model_len": engine.max_model_len, "scheduler": dataclasses.asdict(cfg.scheduler),
         "cache": dataclasses.asdict(cfg.cache), "parallel": parallel, "torch": torch.__version__,

@@ -31,6 +31,9 @@ class SuffixConfig:
     # tokens of cached outputs over all tenants, the memory bound: up to max_tree_depth - 1 trie nodes of ~260
     # bytes per token (random text at depth 24: 6 KB a token, so ~100 MB at this bound); more reaches further back
     max_cached_tokens: int = 1 << 14
+    # a running request's own trie indexes only its last this-many tokens (prompt + output): memory per request
+    # (up to max_tree_depth - 1 nodes a token) vs matches further back in a long context
+    max_request_tokens: int = 1 << 13
 
 
 def _int(name: str, v: Any, lo: int, hi: int) -> int:
@@ -47,9 +50,9 @@ def check_draftless(spec: Any) -> None:
                          "there is nothing to overlap (set pipeline false)")
     if spec.adaptive is None:
         spec.adaptive = False
-    if spec.adaptive:
-        raise ValueError(f"speculative_config.adaptive is not supported with method {m!r} yet: it runs "
-                         "num_speculative_tokens (a match decides how many are proposed)")
+    if spec.adaptive and spec.fallback is not None:
+        raise ValueError(f"speculative_config.adaptive is not supported with method {m!r} and a fallback yet "
+                         "(the policy would have to price each source per request before it proposes)")
     if spec.num_speculative_tokens_per_batch_size is not None:
         raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size: not with method {m!r}")
     if spec.tree_sampling != "iid":
@@ -78,6 +81,7 @@ def check_draftless(spec: Any) -> None:
             raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be in (0, 64], got {f!r}")
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {p!r}")
+        _int("suffix_decoding_max_request_tokens", spec.suffix_decoding_max_request_tokens, depth, 1 << 24)
         if not isinstance(spec.suffix_decoding_cross_request, bool):
             raise ValueError("speculative_config.suffix_decoding_cross_request must be true or false")
         if spec.num_speculative_tokens is None and spec.tree_branching is None:
@@ -108,4 +112,5 @@ def ngram_config(spec: Any) -> NgramConfig:
 def suffix_config(spec: Any) -> SuffixConfig:
     return SuffixConfig(spec.suffix_decoding_max_tree_depth, spec.suffix_decoding_max_cached_requests,
                         float(spec.suffix_decoding_max_spec_factor), float(spec.suffix_decoding_min_token_prob),
-                        spec.suffix_decoding_cross_request)
+                        spec.suffix_decoding_cross_request,
+                        max_request_tokens=spec.suffix_decoding_max_request_tokens)

@@ -2,9 +2,11 @@
 match, from the request's own tokens and from a bounded cache of recent requests' outputs.
 
 - Per running request: a suffix trie over its prompt and output, extended by the tokens new since its last
-  round. A request that finishes, is aborted or preempted leaves its trie behind at once (a preempted one
-  rebuilds it when it runs again).
-- Cross-request: a trie per tenant (the request's ``tenant``: the API key it came with, or None) over the
+  round, indexing only its last ``max_request_tokens`` tokens (older starts are dropped as it grows). A
+  request that finishes, is aborted or preempted leaves its trie behind at once (a preempted one rebuilds it
+  when it runs again).
+- Cross-request: a trie per tenant (the request's ``tenant``: a digest of the server's API key and served model
+  name, or None) over the
   outputs of that tenant's finished requests, never another's (acceptance timing would reveal them), FIFO-evicted
   past ``max_cached_requests`` requests or ``max_cached_tokens`` tokens over all tenants; aborted requests are
   not cached. ``cross_request`` false: no cache at all. Seeded sampled requests draft from their own tokens only
@@ -83,6 +85,7 @@ class SuffixProposer:
         if trie is None or trie.num_appended > len(token_ids):
             trie = self._own[seq_id] = SuffixTrie(c.max_tree_depth)
         trie.append(token_ids[trie.num_appended:])
+        trie.drop_oldest(token_ids, c.max_request_tokens)
         args = (max_nodes, max_depth, c.max_spec_factor, c.min_token_prob)
         best: Proposal | None = trie.propose(token_ids, True, *args)
         cached = self.cache.tries.get(tenant) if shared else None
@@ -101,3 +104,8 @@ class SuffixProposer:
     @property
     def num_requests(self) -> int:
         return len(self._own)
+
+    @property
+    def own_nodes(self) -> int:
+        """Trie nodes held for running requests (each bounded by ``max_request_tokens``)."""
+        return sum(t.num_nodes for t in self._own.values())

@@ -38,6 +38,7 @@ class SuffixTrie:
     num_nodes: int = 0
     _active: list[Node] = field(default_factory=list)  # ``append``: nodes of the suffixes of length 1 .. depth - 1
     num_appended: int = 0
+    start: int = 0  # ``append``: the oldest position whose substrings are still indexed (``drop_oldest``)
 
     def _child(self, node: Node, t: int) -> Node:
         if node.children is None:
@@ -71,17 +72,29 @@ class SuffixTrie:
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo ``add(tokens)``: counts drop, nodes that reach 0 are deleted."""
         for j in range(len(tokens)):
-            node = self.root
-            for t in tokens[j: j + self.max_depth]:
-                child = node.children[t]  # type: ignore[index]
-                child.count -= 1
-                if child.count == 0:
-                    self.num_nodes -= _size(child)
-                    del node.children[t]  # type: ignore[union-attr]
-                    if not node.children:
-                        node.children = None
-                    break  # its whole subtree went with it
-                node = child
+            self._remove_path(tokens[j: j + self.max_depth])
+
+    def drop_oldest(self, tokens: Sequence[int], keep: int) -> None:
+        """Of the appended sequence ``tokens``, index only the substrings starting in its last ``keep`` positions
+        (``keep`` >= max_depth, so the active suffixes stay): the older starts' paths go, O(max_depth) each."""
+        keep = max(keep, self.max_depth)
+        while self.num_appended - self.start > keep:
+            j = self.start
+            self._remove_path(tokens[j: min(j + self.max_depth, self.num_appended)])
+            self.start += 1
+
+    def _remove_path(self, path: Sequence[int]) -> None:
+        node = self.root
+        for t in path:
+            child = node.children[t]  # type: ignore[index]
+            child.count -= 1
+            if child.count == 0:
+                self.num_nodes -= _size(child)
+                del node.children[t]  # type: ignore[union-attr]
+                if not node.children:
+                    node.children = None
+                return  # its whole subtree went with it
+            node = child
 
     def match(self, context: Sequence[int], own: bool) -> tuple[Node | None, int]:
         """The node of the longest suffix of ``context`` (at most max_depth - 1 tokens) that has a continuation.

@@ -7,6 +7,7 @@ route having to ask for it. Everything is protected unless listed open: a new ro
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -37,6 +38,14 @@ def resolve_api_key(host: str, api_key: str | None) -> str | None:
                          f"{API_KEY_ENV} environment variable) to require 'Authorization: Bearer KEY', or bind "
                          "127.0.0.1")
     return key
+
+
+def tenant_of(api_key: str | None, served_model: str) -> str | None:
+    """Who a request came from, as the engine's cross-request caches scope it (the suffix cache): a digest of the
+    API key and the served model name, so the key itself is never kept; None without a key (one local user)."""
+    if not api_key:
+        return None
+    return hashlib.sha256(f"specserve-tenant\0{served_model}\0{api_key}".encode()).hexdigest()[:32]
 
 
 class BearerAuthMiddleware:

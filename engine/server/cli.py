@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engine.core.llm_engine import LLMEngine
     from engine.server.app import build_app
     from engine.server.async_engine import AsyncEngine
-    from engine.server.auth import resolve_api_key
+    from engine.server.auth import resolve_api_key, tenant_of
     from engine.server.limits import ServerLimits, limited_protocol
     from engine.server.metrics import ServerMetrics
     from engine.server.serving import ServerConfig
@@ -114,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     job_store.claim()  # a second server on the same directory is refused here, before its model loads
     config = EngineArgs.from_cli_args(args).to_engine_config()
     name = args.served_model_name or (args.target if args.target is not None else DEFAULT_SERVED_NAME)
+    config.tenant = tenant_of(api_key, name)  # the suffix cache's scope; the key itself is not kept
     engine = LLMEngine.create(config)
     try:
         metrics = ServerMetrics(name)

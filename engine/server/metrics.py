@@ -43,6 +43,8 @@ class EngineStats:
     chosen_depths: tuple[tuple[str, int], ...] = ()
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (scheduler/prefix_cache.py)
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # per drafting source ("ngram", "suffix", "draft_model"): (source, rounds, proposed, accepted), cumulative
+    by_source: tuple[tuple[str, int, int, int], ...] = ()
 
 
 def read_engine_stats(engine: Any) -> EngineStats:
@@ -56,7 +58,8 @@ def read_engine_stats(engine: Any) -> EngineStats:
         num_drafts=spec.num_rounds, num_draft_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
         accepted_per_position=tuple(spec.accepted_per_position),
         chosen_depths=tuple(spec.chosen_depths.items()),
-        prefix_cache_queries=sched.prefix_stats.queries, prefix_cache_hits=sched.prefix_stats.hits)
+        prefix_cache_queries=sched.prefix_stats.queries, prefix_cache_hits=sched.prefix_stats.hits,
+        by_source=tuple((k, v.num_rounds, v.num_drafted, v.num_accepted) for k, v in spec.by_source.items()))
 
 
 class ServerMetrics:
@@ -88,6 +91,13 @@ class ServerMetrics:
                                         m + ["position"])
         self.chosen_depth = counter("spec_decode_chosen_depth", "Rounds run at each depth the speculation policy "
                                     "chose (0 = plain decode; tree:2x1 = a tree shape).", m + ["depth"])
+        src = m + ["source"]
+        self.source_drafts = counter("spec_decode_num_drafts_by_source", "Verify rounds whose candidates this "
+                                     "drafting source proposed (ngram, suffix, draft_model).", src)
+        self.source_draft_tokens = counter("spec_decode_num_draft_tokens_by_source", "Candidate tokens this "
+                                           "drafting source proposed.", src)
+        self.source_accepted = counter("spec_decode_num_accepted_tokens_by_source", "Candidate tokens of this "
+                                       "drafting source accepted.", src)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (prefill skipped).")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival at the server to the first token.",
@@ -131,6 +141,11 @@ class ServerMetrics:
         before_depth = dict(last.chosen_depths)
         advances += [(self.chosen_depth, (name, depth), now, before_depth.get(depth, 0))
                      for depth, now in s.chosen_depths]
+        before_src = {k: (r, d, a) for k, r, d, a in last.by_source}
+        per_source = (self.source_drafts, self.source_draft_tokens, self.source_accepted)
+        for k, *now in s.by_source:
+            prev = before_src.get(k, (0, 0, 0))
+            advances += [(metric, (name, k), n, b) for metric, n, b in zip(per_source, now, prev, strict=True)]
         for metric, labels, now, before in advances:
             if now > before:
                 metric.labels(*labels).inc(now - before)

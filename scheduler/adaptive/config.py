@@ -20,6 +20,9 @@ class AdaptiveConfig:
     # Cost curves (seconds per log2 bucket of a size).
     curve_decay: float = 0.1  # weight of a new measurement per step since its bucket was measured: noise vs drift
     curve_max_jump: float = 0.5  # the most one measurement moves a bucket: one slow step vs a real change
+    # Realised rates (scheduler/adaptive/realized.py): predictions checked against what the steps yielded.
+    realized_decay: float = 0.9  # memory (~10 steps of a kind): reaction to a changed workload vs noise
+    realized_min_steps: float = 3.0  # steps of each kind measured before speculation can be found slower
     # Exploration (shared by the plan's sizes and the pipelining switch).
     explore_budget: float = 0.03  # share of the time exploring may cost when the prediction is right
     explore_min: int = 8  # steps between explorations of one thing, at least: cheap explorations vs churn
@@ -41,8 +44,8 @@ class AdaptiveConfig:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
                 raise ValueError(f"adaptive config: {f.name} must be a non-negative number, got {v!r}")
-        for name in ("acceptance_decay", "idle_decay", "curve_decay", "curve_max_jump", "explore_budget",
-                     "switch_keep", "switch_age"):
+        for name in ("acceptance_decay", "idle_decay", "realized_decay", "curve_decay", "curve_max_jump",
+                     "explore_budget", "switch_keep", "switch_age"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive config: {name} must be in (0, 1], got {getattr(self, name)!r}")
         if self.explore_min > self.explore_every:

@@ -14,6 +14,7 @@ from scheduler.adaptive.config import AdaptiveConfig
 from scheduler.adaptive.costs import CostModel, StepTiming
 from scheduler.adaptive.explore import Explorer
 from scheduler.adaptive.plan import Plan, Req, plan, price, real_load
+from scheduler.adaptive.realized import RealizedRates
 from scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class AdaptivePolicy:
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
+    realized: RealizedRates | None = None  # what planned steps yielded, speculative and plain apart
+    _step_tokens: int = 0  # tokens this step's rounds emitted so far
+    _step_drafted: bool = False  # whether any of them verified candidates
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -41,20 +45,27 @@ class AdaptivePolicy:
         self.costs = dataclasses.replace(self.costs, config=self.config)
         self.sampled_costs = dataclasses.replace(self.sampled_costs, config=self.config)
         self.explorer = Explorer(self.config)
+        if self.realized is None:
+            self.realized = RealizedRates(self.config)
 
     # ------------------------------------------------------------------------------ the SpecPolicy interface
     def depth(self, num_tokens: int, remaining_tokens: int) -> int:
         return self.base.depth(num_tokens, remaining_tokens)
 
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
+        self._step_tokens += num_accepted + 1
+        self._step_drafted = self._step_drafted or bool(branching)
         self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
         moved, and its prompt chunks) and how long it took."""
         views = [self._views.get(r.seq_id) for r in batch.rounds]
+        tokens, drafted, self._step_tokens, self._step_drafted = self._step_tokens, self._step_drafted, 0, False
         if not self.observing or None in views:  # a step this policy did not plan is not learned from
             return
+        if self.forced is None and not batch.prefills:
+            self.realized.observe(len(views), drafted, tokens, timing.verify_s + timing.draft_s + timing.state_s)
         load = real_load(views, batch.shapes)
         prefill = sum(c.end - c.start for c in batch.prefills)
         load.verify_tokens += prefill
@@ -70,6 +81,7 @@ class AdaptivePolicy:
     def reset_acceptance(self) -> None:
         """Forget what rounds taught (e.g. the start-up profiling's random prompts); the cost curves stay."""
         self.acceptance = AcceptanceTracker(self.config)
+        self.realized = RealizedRates(self.config)
         self._last.clear()
 
     @staticmethod
@@ -96,8 +108,19 @@ class AdaptivePolicy:
             return fixed
         if not costs.ready:
             return self._cold(views, fixed)
+        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
+        # (pinned requests keep their shapes) whatever the curves predict, without planning (its own time counts
+        # at batch 1); the planned speculation still runs as an exploration when the budget allows (what a step
+        # of it loses sets how often), so a workload that starts accepting more is seen.
+        loss = self.realized.loss(len(views))
+        if loss > 0 and (prefill or self.realized.steps_since(len(views), True) < self.explorer.interval(loss)):
+            plain = [v.pinned or () for v in views]
+            self._last.update((v.seq_id, s) for v, s in zip(views, plain, strict=True))
+            return plain
         best = plan(views, costs, tree, self.config, self._last)
         self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
+        if loss > 0:  # an exploration of what the planner would run
+            return best.shapes
         return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
