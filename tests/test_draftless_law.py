@@ -10,16 +10,14 @@ suffix trees have siblings.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-import torch
 
 import workers.target_worker as target_worker
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import SMALL_VOCAB
+from tests.helpers_law import continuation_logits
 from tests.test_engine_sampling import ALPHA, pair_pvalues, reference_probs
 
 PROMPT = [1, 7, 4, 1, 7, 5, 2, 3, 9, 0, 6, 8, 10, 11, 4, 1, 7, 4]
@@ -36,15 +34,7 @@ LAWS = {"ngram": (1.0, -1, 1.0), "suffix": (0.7, 5, 1.0), "ngram-fallback": (1.0
 @pytest.fixture(scope="module")
 def joint(small_vocab) -> dict[tuple[float, int, float], np.ndarray]:
     """Exact P[t1..t4] after PROMPT for each law used here."""
-    from transformers import AutoModelForCausalLM
-
-    target, _ = small_vocab
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    v = SMALL_VOCAB
-    conts = torch.tensor(list(itertools.product(range(v), repeat=3)))  # [V^3, 3]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
-    with torch.no_grad():
-        logits = hf(ids).logits[:, len(PROMPT) - 1:].double().numpy().reshape(v, v, v, 4, v)  # [V, V, V, 4, V]
+    logits = continuation_logits(small_vocab[0], PROMPT, SMALL_VOCAB)  # [V, V, V, 4, V]
     out = {}
     for law in set(LAWS.values()):
         p = reference_probs(logits, *law)

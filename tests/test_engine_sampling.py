@@ -12,11 +12,8 @@ q^(1/2), renormalised) must fail.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-import torch
 
 import engine.core.policy_warmup
 from engine.llm import LLM
@@ -24,6 +21,7 @@ from scheduler.adaptive import AdaptivePolicy
 from scheduler.adaptive.costs import CostModel, Curve
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import SMALL_VOCAB, marked_slow, random_plans, spec
+from tests.helpers_law import continuation_logits
 
 PROMPT = [1, 7, 4]
 N = 1500  # requests per distribution run
@@ -101,16 +99,7 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int = -1, top
 @pytest.fixture(scope="module")
 def target_logits(small_vocab) -> np.ndarray:
     """[V, V, V, 4, V]: logits after the prompt + (t1, t2, t3), at the 4 positions that predict t1..t4."""
-    from transformers import AutoModelForCausalLM
-
-    target, _ = small_vocab
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    v = SMALL_VOCAB
-    conts = torch.tensor(list(itertools.product(range(v), repeat=3)))  # [V^3, 3]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
-    with torch.no_grad():
-        logits = hf(ids).logits[:, len(PROMPT) - 1:].double().numpy()  # [V^3, 4, V]
-    return logits.reshape(v, v, v, 4, v)
+    return continuation_logits(small_vocab[0], PROMPT, SMALL_VOCAB)
 
 
 def exact_joint(logits: np.ndarray, temperature: float, top_k: int = -1, top_p: float = 1.0) -> np.ndarray:

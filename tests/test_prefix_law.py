@@ -7,15 +7,13 @@ on adjacent pairs), with a prompt of two full blocks that a first request leaves
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-import torch
 
 from engine.llm import LLM
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import SMALL_VOCAB, spec
+from tests.helpers_law import continuation_logits
 from tests.test_engine_sampling import ALPHA, N, exact_joint, pair_pvalues
 from tests.test_prefix_engine import poisoned
 
@@ -27,16 +25,7 @@ BS = 4
 @pytest.fixture(scope="module")
 def prompt_logits(small_vocab) -> np.ndarray:
     """[V, V, V, 4, V]: logits after PROMPT + (t1, t2, t3), at the 4 positions that predict t1..t4."""
-    from transformers import AutoModelForCausalLM
-
-    target, _ = small_vocab
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    v = SMALL_VOCAB
-    conts = torch.tensor(list(itertools.product(range(v), repeat=3)))  # [V^3, 3]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(conts), -1), conts], dim=1)
-    with torch.no_grad():
-        logits = hf(ids).logits[:, len(PROMPT) - 1:].double().numpy()  # [V^3, 4, V]
-    return logits.reshape(v, v, v, 4, v)
+    return continuation_logits(small_vocab[0], PROMPT, SMALL_VOCAB)
 
 
 def sample_cached(target: str, speculative: dict | None, warm: list[int], hash_fn=None) -> tuple[np.ndarray, LLM]:
