@@ -76,21 +76,22 @@ class RowAttention:
                 n = i + 1 if causal else num_keys
             by_length.setdefault(n, []).append((b, t))
         self.by_length = [(n, sorted(rows)) for n, rows in by_length.items()]
-        # (n, sequences, sequence index [G], rows [G]) per call, cut on first use (the sizes depend on q's dtype)
-        self._calls: list[tuple[int, list[int], torch.Tensor, torch.Tensor]] | None = None
+        # Per call: (n, sequences, rows t, sequence index [G] and rows [G] as tensors: None for a lone row), cut on
+        # first use (the admitted sizes depend on q's dtype).
+        self._calls: list[tuple[int, list[int], list[int], torch.Tensor | None, torch.Tensor | None]] | None = None
 
-    def _plan(self, q: torch.Tensor, keys: torch.Tensor) -> list[tuple[int, list[int], torch.Tensor, torch.Tensor]]:
+    def _plan(self, q: torch.Tensor, keys: torch.Tensor) -> list:
         sizes = (1,) if all(len(r) == 1 for _, r in self.by_length) else group_sizes(q, keys, self.kernel,
                                                                                     self.config)
         calls = []
         for n, rows in self.by_length:
             start = 0
             for s in cut(len(rows), sizes):
-                part = rows[start:start + s]
+                seqs, ts = [b for b, _ in rows[start:start + s]], [t for _, t in rows[start:start + s]]
                 start += s
-                seqs = [b for b, _ in part]
-                calls.append((n, seqs, torch.tensor(seqs, device=q.device), torch.tensor([t for _, t in part],
-                                                                                         device=q.device)))
+                tensors = (None, None) if s == 1 else (torch.tensor(seqs, device=q.device),
+                                                       torch.tensor(ts, device=q.device))
+                calls.append((n, seqs, ts, *tensors))
         return calls
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -99,9 +100,9 @@ class RowAttention:
         if self._calls is None:
             self._calls = self._plan(q, keys)
         out = torch.empty_like(q)
-        for n, seqs, seq_index, rows in self._calls:
-            if len(seqs) == 1:  # the lone call: views, no copies
-                b, t = seqs[0], int(rows[0])
+        for n, seqs, ts, seq_index, rows in self._calls:
+            if rows is None:  # the lone call: views, no copies
+                b, t = seqs[0], ts[0]
                 o = self.kernel(q[t, None, :, None], keys[b:b + 1, :, :n], values[b:b + 1, :, :n], scale)
                 out[t] = o[0, :, 0]  # o: [1, Hq, 1, D]
                 continue
