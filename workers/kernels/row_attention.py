@@ -50,7 +50,7 @@ class AttentionConfig:
     check_groups: bool = True
     # Key lengths the probe checks each group size at: the short ones, both sides of the 16-wide vector tails and
     # of the CPU kernel's 512-key blocks. More: a longer probe (~G calls per length), fewer lengths trusted.
-    probe_lengths: tuple[int, ...] = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 255, 511, 512, 513, 1030)
+    probe_lengths: tuple[int, ...] = (1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 255, 512, 513, 700)
 
     def __post_init__(self) -> None:
         if self.max_group < 1 or not self.probe_lengths or min(self.probe_lengths) < 1:
@@ -109,10 +109,11 @@ def _probe(kernel: Sdpa, hq: int, hkv: int, d: int, dtype: torch.dtype, device: 
     admitted = set(sizes)
     g = torch.Generator().manual_seed(0)
     scale = d ** -0.5
+    q, k, v = _probe_operands(rows, hq, hkv, max(config.probe_lengths), d, g)  # each length reads a prefix
+    q, k, v = q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
     for n in config.probe_lengths:
-        q, k, v = _probe_operands(rows, hq, hkv, n, d, g)
-        q, k, v = q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
-        alone = torch.cat([kernel(q[r:r + 1], k[r:r + 1], v[r:r + 1], scale) for r in range(rows)])  # [rows, Hq,1,D]
+        alone = torch.cat([kernel(q[r:r + 1], k[r:r + 1, :, :n], v[r:r + 1, :, :n], scale)
+                           for r in range(rows)])  # [rows, Hq, 1, D]
         order = torch.randperm(rows, generator=g).to(device)  # scattered sequences: the gather layout
         for s in sorted(admitted):
             together = kernel(q[:s], group_keys(k, list(range(s)), order, n), group_keys(v, list(range(s)), order, n),
