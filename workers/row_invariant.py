@@ -24,13 +24,16 @@ take the identical code path with identical operands. Everything else in the Lla
 RoPE, SiLU, residual adds, the int4 matmuls) is elementwise or per-row already.
 
 Cost: batch-1 decode is unchanged (it already ran exactly these calls); extra rows pay a gemv each for the head
-(instead of sharing one GEMM pass) and one SDPA call each per layer.
+(instead of sharing one GEMM pass). Rows whose keys are prefixes of one length (a decode step's sequences of equal
+length) share SDPA calls of probe-checked sizes (workers/kernels/row_attention.py); other rows pay a call each
+per layer.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from workers.kernels.row_attention import DEFAULT_ATTENTION, AttentionConfig, Sdpa, cut, group_keys, group_sizes, sdpa
 
 HEAD_SLICE_ROWS = 512  # weight rows per gemv slice: 512 x 576 float32 is ~1.2 MB, which stays in L2 across rows
 
@@ -47,37 +50,66 @@ def row_invariant_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Te
 
 
 class RowAttention:
-    """One SDPA call per query row over exactly its visible keys (a ``PagedMetadata``'s mask/causal/padding,
-    worked out once per forward)."""
+    """Each query row's attention over exactly its visible keys, computed as its own one-query SDPA call would (a
+    ``PagedMetadata``'s mask/causal/padding worked out once per forward). Rows whose keys are a prefix [0, n) of
+    the same length share calls of sizes a probe showed give every row its lone call's bits
+    (workers/kernels/row_attention.py); rows that see scattered keys (tree nodes) take one call each."""
 
     def __init__(self, slot_of_row: list[int], num_queries: int, num_keys: int, mask: torch.Tensor | None,
-                 causal: bool) -> None:
-        # Per flattened row t: (sequence b, keys) where keys is an int n (keys [0, n)) or a long index [n].
-        self.plan: list[tuple[int, int | torch.Tensor]] = []
+                 causal: bool, config: AttentionConfig = DEFAULT_ATTENTION, kernel: Sdpa = sdpa) -> None:
+        self.config, self.kernel = config, kernel
+        self.scattered: list[tuple[int, int, torch.Tensor]] = []  # (row t, sequence b, visible keys [n] long)
+        by_length: dict[int, list[tuple[int, int]]] = {}  # n -> (sequence b, row t) of rows seeing keys [0, n)
         counts = prefix = None
         if mask is not None:
             m = mask[:, 0]  # [B, Q, L] bool
             counts = m.sum(-1).tolist()  # [B][Q]: keys visible to each query
             prefix = m.long().cumprod(-1).sum(-1).tolist()  # [B][Q]: length of the leading visible run
-        for slot in slot_of_row:
+        for t, slot in enumerate(slot_of_row):
             b, i = divmod(slot, num_queries)
             if mask is not None:
                 n = counts[b][i]
-                keys: int | torch.Tensor = n if prefix[b][i] == n else mask[b, 0, i].nonzero()[:, 0]
+                if prefix[b][i] != n:
+                    self.scattered.append((t, b, mask[b, 0, i].nonzero()[:, 0]))
+                    continue
             else:
-                keys = i + 1 if causal else num_keys
-            self.plan.append((b, keys))
+                n = i + 1 if causal else num_keys
+            by_length.setdefault(n, []).append((b, t))
+        self.by_length = [(n, sorted(rows)) for n, rows in by_length.items()]
+        # Per call: (n, sequences, rows t, sequence index [G] and rows [G] as tensors: None for a lone row), cut on
+        # first use (the admitted sizes depend on q's dtype).
+        self._calls: list[tuple[int, list[int], list[int], torch.Tensor | None, torch.Tensor | None]] | None = None
+
+    def _plan(self, q: torch.Tensor, keys: torch.Tensor) -> list:
+        sizes = (1,) if all(len(r) == 1 for _, r in self.by_length) else group_sizes(q, keys, self.kernel,
+                                                                                    self.config)
+        calls = []
+        for n, rows in self.by_length:
+            start = 0
+            for s in cut(len(rows), sizes):
+                seqs, ts = [b for b, _ in rows[start:start + s]], [t for _, t in rows[start:start + s]]
+                start += s
+                tensors = (None, None) if s == 1 else (torch.tensor(seqs, device=q.device),
+                                                       torch.tensor(ts, device=q.device))
+                calls.append((n, seqs, ts, *tensors))
+        return calls
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  scale: float | None) -> torch.Tensor:
         """q [T, Hq, D] (flattened rows), keys/values [B, Hkv, L, D] -> [T, Hq, D]."""
+        if self._calls is None:
+            self._calls = self._plan(q, keys)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != keys.shape[1]
-        for t, (b, sel) in enumerate(self.plan):
-            if isinstance(sel, int):
-                k, v = keys[b:b + 1, :, :sel], values[b:b + 1, :, :sel]  # [1, Hkv, n, D] views
-            else:
-                k, v = keys[b:b + 1].index_select(2, sel), values[b:b + 1].index_select(2, sel)
-            o = F.scaled_dot_product_attention(q[t, None, :, None], k, v, scale=scale, enable_gqa=gqa)  # [1,Hq,1,D]
-            out[t] = o[0, :, 0]
+        for n, seqs, ts, seq_index, rows in self._calls:
+            if rows is None:  # the lone call: views, no copies
+                b, t = seqs[0], ts[0]
+                o = self.kernel(q[t, None, :, None], keys[b:b + 1, :, :n], values[b:b + 1, :, :n], scale)
+                out[t] = o[0, :, 0]  # o: [1, Hq, 1, D]
+                continue
+            o = self.kernel(q.index_select(0, rows)[:, :, None], group_keys(keys, seqs, seq_index, n),
+                            group_keys(values, seqs, seq_index, n), scale)  # [G, Hq, 1, D]
+            out.index_copy_(0, rows, o[:, :, 0])
+        for t, b, sel in self.scattered:
+            k, v = keys[b:b + 1].index_select(2, sel), values[b:b + 1].index_select(2, sel)  # [1, Hkv, n, D]
+            out[t] = self.kernel(q[t, None, :, None], k, v, scale)[0, :, 0]
         return out

@@ -15,8 +15,9 @@ Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_
 - packed int4 (workers/quantized_linear.py): torch's kernel already sums each row alone.
 - the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
   memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).
-- attention (workers/row_invariant.py ``RowAttention``): one SDPA call per query row over exactly its visible keys
-  in position order, which is the call a one-row decode step makes.
+- attention (workers/row_invariant.py ``RowAttention``): each query row computed as its own one-query SDPA call
+  over exactly its visible keys in position order (the call a one-row decode step makes); rows whose keys are
+  prefixes of one length share calls of group sizes a probe showed give each row those bits (``row_attention``).
 - embedding, RMSNorm, RoPE, SiLU, residual adds, softmax and sampling: elementwise or per-row reductions.
 - tensor parallelism: the all-reduce adds the ranks' partial rows elementwise; with 2 ranks the sum is
   commutative, so exact; with more, the collective's order per element must not depend on the tensor's size
