@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import DenseCausalContext
-from workers.layer_skip.exit import ExitAdapter, ExitAdapterConfig, target_name
+from workers.layer_skip.exit import VOCAB_FILE, ExitAdapter, ExitAdapterConfig, target_name
 from workers.loader import load_model
 
 
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target", default="builtin", help="builtin, smollm2, or a checkpoint")
     ap.add_argument("--heldout", default="engine/default_models/smollm2-draft",
                     help="another target's held-out prompts: DIR/heldout_prompts.jsonl")
+    ap.add_argument("--vocab", default=None, help="a JSON file with 'ids' (e.g. a draft's draft_vocab_map.json): the "
+                                                 "adapters draft only those ids (workers/layer_skip/exit.py)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of seconds (useless weights, no measurement)")
     a = ap.parse_args(argv)
     from engine.core.config import default_model_dirs
@@ -193,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     for layer in layers:
         outs[layer] = a.out if len(layers) == 1 else f"{a.out}.L{layer}"
         runs[layer] = train_adapter(target, seqs, layer, outs[layer], cfg)
+        if a.vocab:
+            with open(a.vocab) as f, open(os.path.join(outs[layer], VOCAB_FILE), "w") as g:
+                json.dump({"ids": sorted(json.load(f)["ids"])}, g)
         print(json.dumps({k: v for k, v in runs[layer].items() if k != "config"}), flush=True)
     table = measure(target, {"none": None, **{f"L{L}": outs[L] for L in layers}}, prompts, a.k) if prompts else {}
     print(json.dumps(table), flush=True)
