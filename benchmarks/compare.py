@@ -207,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--exit-layer", type=int, default=None,
                     help="specserve_layer_skip's exit layer (default: the target's shipped exit adapter and its L)")
     ap.add_argument("--exit-adapter", default=None, help="specserve_layer_skip's exit adapter directory")
+    ap.add_argument("--exit-layers", default="", help="also adapter-free layer_skip at these L (modes "
+                                                      "specserve_layer_skip_L<L>), e.g. 10,15,20")
     return ap.parse_args(argv)
 
 
@@ -230,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
     fixed_ks = [int(x) for x in args.fixed_ks.split(",") if x]
     modes = [m for m in args.modes.split(",") if m and not (args.skip_hf and m.startswith("hf_"))]
-    modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks]
+    exit_modes = {f"{LAYER_SKIP_MODES[0]}_L{x}": int(x) for x in args.exit_layers.split(",") if x}
+    modes += [f"{FIXED_K_MODE}{k}" for k in fixed_ks] + list(exit_modes)
     unknown = sorted(set(modes) - set(HF_MODES + ENGINE_MODES + EAGLE_MODES + DRAFTLESS_MODES + LAYER_SKIP_MODES)
-                     - {f"{FIXED_K_MODE}{k}" for k in fixed_ks})
+                     - {f"{FIXED_K_MODE}{k}" for k in fixed_ks} - set(exit_modes))
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; known: {list(HF_MODES + ENGINE_MODES)}")
     cfg = ModelConfig.from_pretrained(args.target)
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     specs["specserve_layer_skip"] = {"method": "layer_skip", "num_speculative_tokens": args.k,
                                      **({"exit_layer": args.exit_layer} if args.exit_layer else {}),
                                      **({"model": args.exit_adapter} if args.exit_adapter else {})}
+    specs.update({m: {"method": "layer_skip", "num_speculative_tokens": args.k, "exit_layer": x}
+                  for m, x in exit_modes.items()})
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)
     hf = None
     if any(m.startswith("hf_") for m in modes) or not args.skip_floor:

@@ -46,3 +46,22 @@ def test_smollm2_greedy_with_layer_skip_equals_no_speculation() -> None:
     with LLM(smol, {"method": "layer_skip", "exit_layer": 20, "num_speculative_tokens": 3}, max_num_seqs=2) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.engine.stats.num_accepted > 0
+
+
+def test_smollm2_drafts_with_its_shipped_exit_and_greedy_equals_no_speculation() -> None:
+    """``{"method": "layer_skip"}`` alone on SmolLM2: its shipped exit adapter (L 10, a 5,000-id draft vocabulary)."""
+    from engine.core.args import EngineArgs
+    from engine.core.draft_setup import draft_setup
+    from workers.model_config import ModelConfig
+
+    cfg = EngineArgs(target="smollm2", speculative_config='{"method": "layer_skip"}').to_engine_config()
+    opts = draft_setup(cfg, ModelConfig.from_pretrained(cfg.target)).target_options
+    assert opts["layer_skip_exit_layer"] == 10 and opts["layer_skip_adapter"].endswith("smollm2-exit")
+    smol = smollm2_path()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with LLM(smol, "none", max_num_seqs=2) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(smol, {"method": "layer_skip", "num_speculative_tokens": 4}, max_num_seqs=2) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.stats.num_accepted > 0

@@ -6,6 +6,9 @@ hidden states over sequences of the built-in corpus and the target's own continu
 ``builtin_sequences``). Only the adapter learns; the target is frozen, so drafting with it stays lossless
 whatever it learns (the verify pass decides).
 
+``--target smollm2`` (or a checkpoint) trains on that target instead of the built-in one: corpus windows in its
+tokenizer plus its own continuations, measured on its held-out chat prompts (``--heldout``).
+
 ``--layers 2,3,4`` trains one adapter per L and measures each with the engine (held-out prompts, batch 1 greedy,
 K = ``--k``): acceptance length and tokens/s beside no speculation; the best tokens/s is kept in ``--out``, with a
 model card. ``--quick``: a smoke run of seconds (useless weights, no measurement).
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention import DenseCausalContext
-from workers.layer_skip.exit import ExitAdapter, ExitAdapterConfig, target_name
+from workers.layer_skip.exit import VOCAB_FILE, ExitAdapter, ExitAdapterConfig, target_name
 from workers.loader import load_model
 
 
@@ -49,6 +52,31 @@ def target_states(target: torch.nn.Module, tokens: torch.Tensor, layer: int) -> 
         hidden = target(tokens.reshape(-1), torch.arange(t).repeat(b), DenseCausalContext([t] * b))  # [B*T, H]
         logp = F.log_softmax(target.compute_logits(hidden).float(), dim=-1)
     return target.model.aux_hidden.reshape(b, t, -1).float(), logp.reshape(b, t, -1)
+
+
+def other_sequences(target_path: str, n_windows: int, seq_len: int, n_gen: int, gen_tokens: int,
+                    seed: int) -> list[list[int]]:
+    """A target with its own tokenizer (SmolLM2's GGUF file, a checkpoint): stdlib corpus windows (training/data.py's
+    train split) in that tokenizer, and the target's own continuations of some (half greedy, half T = 0.8)."""
+    from engine import LLM, SamplingParams
+    from training.data import collect_files
+    from workers.loader import load_tokenizer
+
+    tok = load_tokenizer(target_path)
+    train, _ = collect_files()
+    rng = random.Random(seed)
+    stream = [i for f in rng.sample(train, min(len(train), 200)) for i in tok.encode(f.text)]
+    starts = [rng.randrange(0, len(stream) - seq_len) for _ in range(n_windows + n_gen)]
+    text = [stream[s: s + seq_len] for s in starts[:n_windows]]
+    prompts = [stream[s: s + 32] for s in starts[n_windows:]]
+    if not prompts:
+        return text
+    llm = LLM(target_path, "none", max_num_seqs=16)
+    params = [SamplingParams(max_tokens=gen_tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    answers = [p + list(o.token_ids) for p, o in zip(prompts, llm.generate(prompts, params), strict=True)]
+    llm.shutdown()
+    return text + answers
 
 
 def train_adapter(target_path: str, seqs: list[list[int]], layer: int, out: str, cfg: ExitTrainConfig) -> dict:
@@ -134,27 +162,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=ExitTrainConfig.minutes)
     ap.add_argument("--steps", type=int, default=ExitTrainConfig.steps)
+    ap.add_argument("--batch", type=int, default=ExitTrainConfig.batch)
+    ap.add_argument("--seq-len", type=int, default=ExitTrainConfig.seq_len)
     ap.add_argument("--adapter-size", type=int, default=ExitTrainConfig.adapter_size)
     ap.add_argument("--windows", type=int, default=400, help="corpus windows")
     ap.add_argument("--gen", type=int, default=64, help="continuations the target writes")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts measured per L")
+    ap.add_argument("--target", default="builtin", help="builtin, smollm2, or a checkpoint")
+    ap.add_argument("--heldout", default="engine/default_models/smollm2-draft",
+                    help="another target's held-out prompts: DIR/heldout_prompts.jsonl")
+    ap.add_argument("--vocab", default=None, help="a JSON file with 'ids' (e.g. a draft's draft_vocab_map.json): the "
+                                                 "adapters draft only those ids (workers/layer_skip/exit.py)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of seconds (useless weights, no measurement)")
     a = ap.parse_args(argv)
     from engine.core.config import default_model_dirs
     from training.eagle import builtin_sequences, heldout_prompts
+    from workers.gguf_loader import resolve_model_path
 
-    target = default_model_dirs()[0]
-    cfg = ExitTrainConfig(minutes=a.minutes, steps=a.steps, adapter_size=a.adapter_size)
+    builtin = a.target == "builtin"
+    target = default_model_dirs()[0] if builtin else resolve_model_path(a.target)
+    cfg = ExitTrainConfig(minutes=a.minutes, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
+                          adapter_size=a.adapter_size)
     if a.quick:
         cfg = ExitTrainConfig(minutes=0.5, steps=3, batch=2, seq_len=32, adapter_size=32)
     n = (8, 2, 8) if a.quick else (a.windows, a.gen, 96)  # windows, continuations, their length
-    seqs, _ = builtin_sequences(target, n[0], cfg.seq_len, n[1], n[2], cfg.seed)
+    seqs = (builtin_sequences(target, n[0], cfg.seq_len, n[1], n[2], cfg.seed)[0] if builtin
+            else other_sequences(target, n[0], cfg.seq_len, n[1], n[2], cfg.seed))
     layers = [int(x) for x in a.layers.split(",")][:1 if a.quick else None]
-    prompts = [] if a.quick else heldout_prompts("builtin", "")[: a.prompts]
+    prompts = [] if a.quick else heldout_prompts(
+        "builtin" if builtin else a.target, a.heldout)[: a.prompts]
     runs, outs = {}, {}
     for layer in layers:
         outs[layer] = a.out if len(layers) == 1 else f"{a.out}.L{layer}"
         runs[layer] = train_adapter(target, seqs, layer, outs[layer], cfg)
+        if a.vocab:
+            with open(a.vocab) as f, open(os.path.join(outs[layer], VOCAB_FILE), "w") as g:
+                json.dump({"ids": sorted(json.load(f)["ids"])}, g)
         print(json.dumps({k: v for k, v in runs[layer].items() if k != "config"}), flush=True)
     table = measure(target, {"none": None, **{f"L{L}": outs[L] for L in layers}}, prompts, a.k) if prompts else {}
     print(json.dumps(table), flush=True)

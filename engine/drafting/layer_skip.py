@@ -22,7 +22,7 @@ from workers.model_config import ModelConfig
 
 # The exit adapter shipped for a packaged target (engine/default_models/<dir>), keyed by target_name(): what
 # ``{"method": "layer_skip"}`` without ``exit_layer`` or ``model`` uses, at the adapter's own L.
-SHIPPED_EXITS = {"target": "target-exit"}
+SHIPPED_EXITS = {"target": "target-exit", "SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2-exit"}
 
 
 def shipped_exit(target: str) -> str | None:

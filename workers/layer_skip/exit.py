@@ -9,7 +9,10 @@ Two kinds, both ending in the target's own final norm and head (no second vocabu
   this one is position-local (no KV of its own to keep, roll back or reuse), which costs some acceptance.
 
 An adapter directory holds ``config.json`` (``ExitAdapterConfig``: its L, the target it was trained for) and
-``model.safetensors``.
+``model.safetensors``, and may hold ``draft_vocab.json`` (``{"ids": [...]}``, the form of a separate draft's
+draft_vocab_map.json): the exit then projects onto those rows of the head only. On a large vocabulary the head is
+most of the exit's cost (SmolLM2: 49,152 rows, ~a quarter of a decode step per drafted token); the draft law is
+zero outside the ids and recorded as such, so the verify stays lossless whatever the ids are.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 from workers.layers import RMSNorm
 
 ADAPTER_ARCH = "SpecserveExitAdapter"
+VOCAB_FILE = "draft_vocab.json"  # optional, in an adapter directory: the token ids the exit may draft
 
 
 @dataclass(frozen=True)
@@ -99,14 +103,39 @@ def check_adapter(c: ExitAdapterConfig, path: str, target_path: str, hidden_size
                          f"({layers} layers, hidden size {hidden_size})")
 
 
-class ExitHead:
-    """Layer L's hidden states -> logits [T, V] float32: the adapter (if any), then the target's norm and head."""
+def load_exit_vocab(path: str, vocab_size: int) -> list[int] | None:
+    """The adapter directory's draft vocabulary (sorted, distinct, in range), or None when it has none."""
+    file = os.path.join(path, VOCAB_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        ids = json.load(f)["ids"]
+    if not ids or ids != sorted(set(ids)) or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"{file}: ids must be distinct, sorted and in 0 .. {vocab_size - 1}")
+    return ids
 
-    def __init__(self, model: nn.Module, adapter: ExitAdapter | None) -> None:
+
+class ExitHead:
+    """Layer L's hidden states -> logits [T, V] float32: the adapter (if any), then the target's norm and head
+    (only the rows of ``vocab`` when given: every other id gets -inf, so the draft law is zero there)."""
+
+    def __init__(self, model: nn.Module, adapter: ExitAdapter | None, vocab: list[int] | None = None) -> None:
         self.target = model
         self.adapter = adapter
+        head = model.lm_head
+        # A tensor-parallel head is sharded by rows: the restricted exit is for one rank's full head only.
+        restrict = vocab is not None and head.tp.size == 1
+        self.vocab = torch.tensor(vocab, device=head.weight.device) if restrict else None  # [Vd]
+        self.rows = head.weight.detach()[self.vocab].contiguous() if restrict else None  # [Vd, H]
+        self.vocab_size = head.vocab_size
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.adapter is not None:
             hidden = self.adapter(hidden)
-        return self.target.compute_logits(self.target.model.norm(hidden)).float()
+        h = self.target.model.norm(hidden)  # [T, H]
+        if self.rows is None:
+            return self.target.compute_logits(h).float()
+        # Draft tokens only: not row-invariant (no KV or verify logits depend on these bits; rank 0's draw is used).
+        part = torch.nn.functional.linear(h.to(self.rows.dtype), self.rows).float()  # [T, Vd]
+        out = part.new_full((h.shape[0], self.vocab_size), float("-inf"))  # [T, V]
+        return out.index_copy_(1, self.vocab, part)

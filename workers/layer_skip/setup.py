@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.layer_skip.exit import ExitHead, check_adapter, load_adapter
+from workers.layer_skip.exit import ExitHead, check_adapter, load_adapter, load_exit_vocab
 from workers.layer_skip.self_drafter import SelfDrafter
 
 
@@ -13,8 +13,9 @@ def build_self_drafter(worker: Any) -> SelfDrafter | None:
     cfg = worker.config
     if not cfg.layer_skip_exit_layer:
         return None
-    adapter = None
+    adapter, vocab = None, None
     if cfg.layer_skip_adapter:
+        vocab = load_exit_vocab(cfg.layer_skip_adapter, worker.model_config.vocab_size)
         adapter = load_adapter(cfg.layer_skip_adapter, device=worker.device)
         c = adapter.config
         check_adapter(c, cfg.layer_skip_adapter, cfg.model, worker.model_config.hidden_size,
@@ -22,5 +23,5 @@ def build_self_drafter(worker: Any) -> SelfDrafter | None:
         if c.exit_layer != cfg.layer_skip_exit_layer:
             raise ValueError(f"exit adapter {cfg.layer_skip_adapter!r} reads layer {c.exit_layer}, "
                              f"not exit_layer {cfg.layer_skip_exit_layer}")
-    return SelfDrafter(worker.runner, cfg.layer_skip_exit_layer, ExitHead(worker.model, adapter),
+    return SelfDrafter(worker.runner, cfg.layer_skip_exit_layer, ExitHead(worker.model, adapter, vocab),
                        cfg.draft_seed_salt, worker.law_store.put if worker.tp.is_first else None, worker.tp)
