@@ -47,7 +47,8 @@ def test_the_draft_proposes_no_token_the_grammar_refuses(shape) -> None:
                     assert ids == alone, (shape, grammar)
 
 
-def test_a_draft_far_from_the_target_still_gives_the_target_law() -> None:
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_a_draft_far_from_the_target_still_gives_the_target_law(shape) -> None:
     """The draft is pushed towards one allowed token (its logits + 4 there), so its masked law is far from the
     target's: the sampled answers' law with speculation must still be the target's masked law (two-sample
     chi-square against independent seeds without speculation). Recording the unmasked q while drawing from the
@@ -59,7 +60,7 @@ def test_a_draft_far_from_the_target_still_gives_the_target_law() -> None:
 
     grammar, n, favoured = {"regex": "[a-d]{2}"}, 400, 68  # 68: "d"
     counts = {}
-    with LLM(None, "none") as plain, LLM(None, SHAPES["chain"]) as spec:
+    with LLM(None, "none") as plain, LLM(None, SHAPES[shape]) as spec:
         draft = spec.engine.executor.draft
         forward = draft._forward
 
