@@ -138,7 +138,7 @@ class DraftWorker(WorkerBase):
         if self.vocab_map is not None and self.vocab_map.size != self.model_config.vocab_size:
             raise ValueError(f"{self.config.model}: the vocabulary map has {self.vocab_map.size} ids but the model "
                              f"has {self.model_config.vocab_size} rows")
-        self.grammars = DraftGrammarMasks(self.config.model, self.vocab_size)  # grammar requests only
+        self.grammars = DraftGrammarMasks(self.config.tokenizer or self.config.model, self.vocab_size)
 
     @property
     def vocab_size(self) -> int:

@@ -18,7 +18,8 @@ unmasked law it was drawn from: still lossless).
 
 Not masked (lossless, lower acceptance): trees below predicted tokens (pipelining sends no grammar), and a
 request whose committed output this worker's tokenizer cannot follow (a draft with a different tokenizer).
-The tokenizer is the draft checkpoint's own, over the target's vocabulary (a draft shares its target's ids).
+The tokenizer is the target's (``WorkerConfig.tokenizer``, given at start; else the draft checkpoint's own), over
+the target's vocabulary; a draft without one (none given, none in its checkpoint) does not mask.
 """
 
 from __future__ import annotations
