@@ -1,6 +1,6 @@
 """The draft model proposes from its grammar-masked law (workers/grammar_draft.py): no node it drafts is one the
-grammar refuses (the controller's count of refused nodes stays 0, greedy and sampled, chain and tree, in process and
-with the draft in a process of its own, where the grammar crosses the msgpack codec), and greedy output is the
+grammar refuses (the controller's count of refused nodes stays 0, greedy and sampled, chain and tree, in process, with
+the draft in a process of its own and as a Ray actor, where the grammar crosses the msgpack codec), and greedy output is the
 grammar's alone. Its law (q recorded = the masked law drawn from) is checked by tests/test_structured.py's sampled
 chi-square, which runs with the masked draft."""
 
@@ -20,7 +20,22 @@ pytestmark = pytest.mark.slow  # engines on the built-in pair (the tiny models' 
 BASE = {"method": "draft_model", "model": str(DEFAULT_MODELS_DIR / "draft"), "num_speculative_tokens": 3,
         "adaptive": False}
 SHAPES = {"chain": BASE, "tree": {**BASE, "tree_branching": [2, 2, 1]},
-          "process": {**BASE, "draft_process": True}}
+          "process": {**BASE, "draft_process": True}, "ray": BASE}
+
+
+@pytest.fixture
+def ray_if(request):
+    """A local Ray for the "ray" case (the draft worker an actor: the grammar crosses as a DraftGrammar)."""
+    if request.node.callspec.params["shape"] != "ray":
+        yield {}
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield {"distributed_executor_backend": "ray"}
+    ray.shutdown()
 
 
 def _run(llm: LLM, grammar: dict, temperature: float) -> tuple[list[list[int]], int, int]:
@@ -33,8 +48,8 @@ def _run(llm: LLM, grammar: dict, temperature: float) -> tuple[list[list[int]], 
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_the_draft_proposes_no_token_the_grammar_refuses(shape) -> None:
-    with LLM(None, "none") as plain, LLM(None, SHAPES[shape]) as spec:
+def test_the_draft_proposes_no_token_the_grammar_refuses(shape, ray_if) -> None:
+    with LLM(None, "none") as plain, LLM(None, SHAPES[shape], **ray_if) as spec:
         if shape == "process":
             assert spec.engine.executor._proc.pid != os.getpid()  # the draft worker runs in its own process
         for grammar in GRAMMARS:
