@@ -1,8 +1,8 @@
 """The draft model proposes from its grammar-masked law (workers/grammar_draft.py): no node it drafts is one the
-grammar refuses (the controller's count of refused nodes stays 0, greedy and sampled, chain and tree, in process, with
-the draft in a process of its own and as a Ray actor, where the grammar crosses the msgpack codec), and greedy output is the
-grammar's alone. Its law (q recorded = the masked law drawn from) is checked by tests/test_structured.py's sampled
-chi-square, which runs with the masked draft."""
+grammar refuses (the controller's count of refused nodes stays 0, greedy and sampled, chain and tree, in process,
+with the draft in a process of its own and as a Ray actor, where the grammar crosses the msgpack codec), and greedy
+output is the grammar's alone. Its law (q recorded = the masked law drawn from) is checked against a draft pushed
+far from the target (a two-sample chi-square with independent seeds)."""
 
 from __future__ import annotations
 
