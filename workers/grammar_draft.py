@@ -13,8 +13,10 @@ token, for an ordinary sequential round). At each frontier node the matcher is a
 the next-token mask filled, and rolled back, so siblings never see each other. The draft's logits get -inf off
 the mask before its transforms (temperature, top-k/p, min-p), so q, the law recorded for the verifier, is the
 masked law the children were drawn from: verification stays lossless, and no drafted token is one the grammar
-refuses. A row whose allowed tokens all lie outside the draft's vocabulary stays unmasked (its q is then the
-unmasked law it was drawn from: still lossless).
+refuses. A row whose allowed tokens all lie outside the draft's vocabulary (a trimmed draft vocabulary, such as the
+shipped SmolLM2 draft's 5,000 ids, which hold none of the JSON punctuation tokens) stays unmasked, and so do the
+rows below a token drawn there: their q is the unmasked law they are drawn from (still lossless), and such a
+token may be refused by the target.
 
 Not masked (lossless, lower acceptance): trees below predicted tokens (pipelining sends no grammar), and a
 request whose committed output this worker's tokenizer cannot follow (a draft with a different tokenizer).
@@ -83,7 +85,9 @@ class DraftGrammarMasks:
             if rp is None:
                 continue
             m, path = rp
-            m.consume_tokens(path)  # drawn from masked rows above, so the matcher takes them
+            if m.validate_tokens(path) != len(path):  # below a token drawn from an unmasked row (see above), or
+                continue  # past EOS: left unmasked (its q is still the law it is drawn from)
+            m.consume_tokens(path)
             llguidance.torch.fill_next_token_bitmask(m, packed, i)
             if path:
                 m.rollback(len(path))
