@@ -1,8 +1,8 @@
-"""The draft model proposes from its grammar-masked law (workers/grammar_draft.py): no node it drafts is one the
-grammar refuses (the controller's count of refused nodes stays 0, greedy and sampled, chain and tree, in process,
-with the draft in a process of its own and as a Ray actor, where the grammar crosses the msgpack codec), and greedy
-output is the grammar's alone. Its law (q recorded = the masked law drawn from) is checked against a draft pushed
-far from the target (a two-sample chi-square with independent seeds)."""
+"""The draft proposes from its grammar-masked law (workers/grammar_draft.py): no node it drafts is one the grammar
+refuses (the controller's count of refused nodes stays 0), greedy and sampled, chain and tree, for a draft model and
+the built-in target's EAGLE-3 head, in process, with the draft in a process of its own and as a Ray actor (the
+grammar crosses the msgpack codec), and greedy output is the grammar's alone. Its law (q recorded = the masked law
+drawn from) is checked against a draft pushed far from the target (a two-sample chi-square, independent seeds)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # engines on the built-in pair (the tiny models' 
 BASE = {"method": "draft_model", "model": str(DEFAULT_MODELS_DIR / "draft"), "num_speculative_tokens": 3,
         "adaptive": False}
 SHAPES = {"chain": BASE, "tree": {**BASE, "tree_branching": [2, 2, 1]},
-          "process": {**BASE, "draft_process": True}, "ray": BASE}
+          "process": {**BASE, "draft_process": True}, "ray": BASE,
+          "eagle": {"method": "eagle3", "num_speculative_tokens": 3, "adaptive": False}}  # its shipped head
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ same prefix, so pipelining changes no output, and no draw is ever shared with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,7 +139,12 @@ class DraftWorker(WorkerBase):
         if self.vocab_map is not None and self.vocab_map.size != self.model_config.vocab_size:
             raise ValueError(f"{self.config.model}: the vocabulary map has {self.vocab_map.size} ids but the model "
                              f"has {self.model_config.vocab_size} rows")
-        self.grammars = DraftGrammarMasks(self.config.tokenizer or self.config.model, self.vocab_size)
+
+    @functools.cached_property
+    def grammars(self) -> DraftGrammarMasks:
+        """Grammar requests' matchers (workers/grammar_draft.py), at first use (an EAGLE head's worker too)."""
+        return DraftGrammarMasks(self.config.tokenizer or self.config.eagle_target or self.config.model,
+                                 self.vocab_size)
 
     @property
     def vocab_size(self) -> int:
