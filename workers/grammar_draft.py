@@ -18,8 +18,9 @@ shipped SmolLM2 draft's 5,000 ids, which hold none of the JSON punctuation token
 rows below a token drawn there: their q is the unmasked law they are drawn from (still lossless), and such a
 token may be refused by the target.
 
-Not masked (lossless, lower acceptance): trees below predicted tokens (pipelining sends no grammar), and a
-request whose committed output this worker's tokenizer cannot follow (a draft with a different tokenizer).
+Not masked (lossless, lower acceptance): trees below predicted tokens (pipelining sends no grammar), EAGLE-2
+dynamic trees (workers/eagle/, their own growth; an EAGLE head's static trees are masked), and a request whose
+committed output this worker's tokenizer cannot follow (a draft with a different tokenizer).
 The tokenizer is the target's (``WorkerConfig.tokenizer``, given at start; else the draft checkpoint's own), over
 the target's vocabulary; a draft without one (none given, none in its checkpoint) does not mask.
 """

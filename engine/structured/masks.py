@@ -12,8 +12,8 @@ it is rejected whatever its q, and the rows under it are never read (they are le
 Lossless with any drafter: the verifier needs q to be the law the draft actually drew from, which it is. The
 draft model proposes from its own law masked the same way (workers/grammar_draft.py, a matcher beside the draft
 model; its q is the masked law), so none of its nodes is refused (``refused`` counts them). Draftless drafters
-(n-gram, suffix, EAGLE, layer_skip) propose unmasked: their refused nodes are rejected here (p = 0), never
-emitted. Requests with and without a grammar share a batch: only the former carry masks.
+(n-gram, suffix, layer_skip), pipelined drafting and EAGLE-2 dynamic trees propose unmasked: their refused nodes
+are rejected (p = 0), never emitted. Requests with and without a grammar share a batch: only the former carry masks.
 """
 
 from __future__ import annotations
