@@ -39,7 +39,7 @@ def _examples() -> dict[str, object]:
     guess = m.GuessSpec(at=-1, count=2, exclude=[17])
     draft_seq = m.DraftSeq(seq_id=3, block_table=[0, 7], base_len=12, token_ids=[44], sampling=SPEC,
                            branching=[2, 1, 1], pred_tokens=[8, 9], pred_parents=[-1, 0], guesses=[guess],
-                           anchors=[-1, 1])
+                           anchors=[-1, 1], grammar=m.DraftGrammar('start: "a"', 2, [7, 8]))
     verify = m.VerifySeq(seq_id=3, block_table=[0, 7], base_len=12, token_ids=[44], tree_tokens=[5, 9, 11, 3],
                          tree_parents=[-1, -1, 0, 2], sampling=SPEC, tree_id=12)
     result = m.VerifyResult(accepted_nodes=[0, 2], tokens=[5, 11, 60], num_accepted=2, bonus=False)
@@ -51,6 +51,7 @@ def _examples() -> dict[str, object]:
         "DraftTree": _tree(),
         "GuessSpec": guess,
         "DraftSeq": draft_seq,
+        "DraftGrammar": draft_seq.grammar,
         "DraftStep": m.DraftStep(commits=[commit], prefills=[dataclasses.replace(prefill, sample=None)],
                                  seqs=[draft_seq], finished=[1, 2]),
         "DraftResult": m.DraftResult(seq_id=3, pred_tokens=[8, 9, 21], pred_parents=[-1, 0, -1], anchors=[-1, 2],

@@ -24,12 +24,14 @@ same prefix, so pipelining changes no output, and no draw is ever shared with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from workers.grammar_draft import DraftGrammarMasks
 from workers.input_batch import SeqForward
 from workers.law_channel import DraftLaws
 from workers.messages import (
@@ -68,6 +70,14 @@ class _Tree:
     def scratch_of(self, node: int) -> int:
         return self.root if node < 0 else self.scratch[node]
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from below the anchor down to ``node`` (-1: none)."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
 
 @dataclass
 class _Request:
@@ -78,6 +88,7 @@ class _Request:
     pred_parents: list[int]
     anchors: list[int]
     trees: list[_Tree] = field(default_factory=list)
+    matcher: object = None  # a grammar request's llguidance matcher at the anchor (workers/grammar_draft.py)
 
     @property
     def u(self) -> int:
@@ -129,6 +140,12 @@ class DraftWorker(WorkerBase):
             raise ValueError(f"{self.config.model}: the vocabulary map has {self.vocab_map.size} ids but the model "
                              f"has {self.model_config.vocab_size} rows")
 
+    @functools.cached_property
+    def grammars(self) -> DraftGrammarMasks:
+        """Grammar requests' matchers (workers/grammar_draft.py), at first use (an EAGLE head's worker too)."""
+        return DraftGrammarMasks(self.config.tokenizer or self.config.eagle_target or self.config.model,
+                                 self.vocab_size)
+
     @property
     def vocab_size(self) -> int:
         if self.vocab_map is not None:
@@ -147,6 +164,7 @@ class DraftWorker(WorkerBase):
     def drop(self, seq_ids: list[int]) -> None:
         for s in seq_ids:
             self._scratch.pop(s, None)
+        self.grammars.drop(seq_ids)
 
     def _commit(self, commits: list[DraftCommit]) -> None:
         specs = []
@@ -212,8 +230,12 @@ class DraftWorker(WorkerBase):
 
     def _layout(self, s: DraftSeq) -> _Request:
         parents = scratch_parents(len(s.token_ids), s.pred_parents)
-        return _Request(s, parents, self._own_ids(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
-                        list(s.pred_parents), list(s.anchors))
+        r = _Request(s, parents, self._own_ids(s.token_ids) + list(s.pred_tokens), list(s.pred_tokens),
+                     list(s.pred_parents), list(s.anchors))
+        if s.grammar is not None:  # kept in step every round; masks only a lone tree below the last token
+            m = self.grammars.matcher(s.seq_id, s.grammar)
+            r.matcher = m if s.anchors == [-1] and not s.pred_tokens and not s.guesses else None
+        return r
 
     def _own_ids(self, tokens: list[int]) -> list[int]:
         """Target tokens the draft's vocabulary lacks (a draft vocabulary may be a prefix of the target's) are
@@ -290,6 +312,9 @@ class DraftWorker(WorkerBase):
         flat = [x for rr in rows for x in rr]
         counts = [len(rr) for rr in rows]
         logits = torch.stack(flat)  # [rows, Vd]
+        if any(r.matcher is not None for r in reqs):  # draw from the grammar-masked law; q is that law
+            logits = self.grammars.mask(logits, [(r.matcher, t.path(p)) if r.matcher is not None else None
+                                                 for r in reqs for t in r.trees for p in t.frontier])
         probs = None  # greedy requests take the top tokens and need no law (a sort over the vocabulary per row)
         if not all(r.seq.sampling.greedy for r in reqs):
             # Transforms on the draft's own vocabulary, then zeros for target ids it lacks: q must be the law the
@@ -307,6 +332,8 @@ class DraftWorker(WorkerBase):
                         # Greedy requests are verified by argmax matching, which needs no law: the draft's
                         # top tokens by raw logit are the best guesses of the target's argmax.
                         toks = logits[row].topk(min(width, logits.shape[1])).indices
+                        if r.matcher is not None:  # fewer allowed tokens than children: no refused child
+                            toks = toks[logits[row][toks] > float("-inf")]
                         laws = None
                     else:
                         toks, laws = draw_children(probs[row], width, self.config.tree_sampling, t.generator)

@@ -77,6 +77,15 @@ class GuessSpec:
 
 
 @dataclass
+class DraftGrammar:
+    """Keeps the draft worker's matcher of one request at its committed output (workers/grammar_draft.py)."""
+
+    grammar: str  # the llguidance grammar: the request's first call (and after a drop) only, else ""
+    start: int  # output tokens the worker's matcher has consumed before ``tokens``
+    tokens: list[int]  # the committed output tokens since then
+
+
+@dataclass
 class DraftSeq:
     seq_id: int
     block_table: list[int]
@@ -96,6 +105,7 @@ class DraftSeq:
     # only if worth at least outcome_min_value; each GuessSpec's count is then ignored.
     outcome_budget: int = 0
     outcome_min_value: float = 0.0
+    grammar: DraftGrammar | None = None  # a grammar request's matcher update (workers/grammar_draft.py)
 
 
 @dataclass

@@ -15,6 +15,7 @@ class WorkerConfig:
     quantization: str | None = None  # GGUF only: "gguf" keeps Q4 weights packed, "none"; None: by the file
     tree_sampling: str = "iid"  # how siblings are drawn at temperature > 0 (draft only; see workers/proposal.py)
     target_vocab_size: int | None = None  # draft only: q is padded to the target's vocabulary
+    tokenizer: str | None = None  # draft only: the target's tokenizer, for grammar masks (None: the draft's own)
     # Seeded requests derive their draft stream from the seed with this salt, so the draft's draws never
     # coincide with the verifier's uniforms (the acceptance test needs them independent).
     draft_seed_salt: int = 0x5EED_D4AF7

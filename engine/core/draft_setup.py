@@ -36,7 +36,8 @@ class DraftSetup:
         d = self.spec
         return WorkerConfig(d.model, num_blocks, config.cache.block_size, config.dtype, config.device,
                             quantization=d.quantization, tree_sampling=d.tree_sampling,
-                            target_vocab_size=target_config.vocab_size, model_config=self.model_config.to_dict())
+                            target_vocab_size=target_config.vocab_size, model_config=self.model_config.to_dict(),
+                            tokenizer=str(config.tokenizer or config.target))
 
     def max_len(self, max_model_len: int) -> int:
         """Where drafting stops for a sequence. Past its own context a draft still runs (RoPE is computed per

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.core.metrics import StepTimes
+from engine.structured.draft_grammar import DraftGrammars
 from scheduler.request import Request
 from scheduler.scheduler import ScheduledBatch
 from workers.messages import (
@@ -121,16 +122,18 @@ class SequentialDrafter:
     _inflight: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (base_len, in-flight tokens)
     _commits: dict[int, DraftCommit] = field(default_factory=dict)  # applied with the next call
     _gone: list[int] = field(default_factory=list)  # finished/preempted, dropped by the worker with the next call
+    grammars: DraftGrammars = field(default_factory=DraftGrammars)  # grammar requests' draft masks
 
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
         for s in gone:
             self._commits.pop(s, None)
         self._gone += gone
+        self.grammars.forget(gone)
         self._inflight.clear()
         msg = DraftStep(prefills=[] if self.lazy_prefill else self.calls.prefills(batch))
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
             if shape:  # the scheduler's policy chose this round's branching
-                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape)))
+                msg.seqs.append(self.calls.seq(r, r.num_cached_draft, list(shape), grammar=self.grammars.update(r)))
                 self._inflight[r.seq_id] = (r.num_cached_draft, r.num_tokens - r.num_cached_draft)
         if not msg.seqs and not msg.prefills:
             # A plain step (the adaptive policy's K = 0 for everyone): no draft call at all. Its hand-off cost

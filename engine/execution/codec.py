@@ -27,7 +27,7 @@ _CLASSES: dict[str, type] = {
                 messages.DraftStep, messages.GuessSpec, messages.DraftTree, messages.DraftResult,
                 messages.DraftStepOutput, messages.VerifySeq, messages.TargetStep, messages.VerifyResult,
                 messages.TargetStepOutput, messages.WorkerReply, messages.TokenLogprobs, TreeLaws,
-                SelfDraftSeq, SelfDraftStep, SelfDraftOutput)
+                SelfDraftSeq, SelfDraftStep, SelfDraftOutput, messages.DraftGrammar)
 }
 _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _CLASSES.values()

@@ -9,9 +9,11 @@ token. Rank 0 of the target sets the disallowed logits to -inf before its transf
 so p at every node is the target's law masked given that node's path. A node the grammar refuses gets p(x) = 0:
 it is rejected whatever its q, and the rows under it are never read (they are left all-allowed).
 
-Lossless with any drafter: the verifier needs q to be the law the draft actually drew from, which it is (the
-draft here proposes from its unmasked law; masking the draft too would only raise acceptance). Requests with
-and without a grammar share a batch: only the former carry masks.
+Lossless with any drafter: the verifier needs q to be the law the draft actually drew from, which it is. The
+draft model proposes from its own law masked the same way (workers/grammar_draft.py, a matcher beside the draft
+model; its q is the masked law), so none of its nodes is refused (``refused`` counts them). Draftless drafters
+(n-gram, suffix, layer_skip), pipelined drafting and EAGLE-2 dynamic trees propose unmasked: their refused nodes
+are rejected (p = 0), never emitted. Requests with and without a grammar share a batch: only the former carry masks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class GrammarMasks:
         self._hf, self.vocab_size = tokenizer, vocab_size
         self._tok: llguidance.LLTokenizer | None = None  # built at the first grammar request (~1 s)
         self._matchers: dict[str, tuple[llguidance.LLMatcher, int]] = {}  # request id -> (matcher, tokens consumed)
+        self.drafted = 0  # drafted nodes of grammar requests seen (below an allowed path)
+        self.refused = 0  # of those, the ones the grammar refuses: 0 with a masked draft (workers/grammar_draft.py)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -82,8 +86,11 @@ class GrammarMasks:
         def visit(slot: int) -> None:
             llguidance.torch.fill_next_token_bitmask(m, masks, slot)
             for c in kids[slot]:
-                if m.validate_tokens([tokens[c]]) == 1:
-                    m.consume_token(tokens[c])
+                t = tokens[c]
+                self.drafted += 1
+                self.refused += not (int(masks[slot, t // 32]) >> (t % 32)) & 1  # p(t) = 0 at this node
+                if m.validate_tokens([t]) == 1:  # (EOS where the grammar is complete is allowed, not consumed)
+                    m.consume_token(t)
                     visit(c + 1)
                     m.rollback(1)
 
