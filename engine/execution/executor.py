@@ -46,14 +46,22 @@ class LocalExecutor:
             self.draft.law_sink = self.target.law_store.put
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft") if draft is not None else None
         self._draft_future: Future | None = None
+        self._draft_msg: DraftStep | None = None  # submitted, not started (submit_draft)
         self._target_msg: TargetStep | None = None
 
     def submit_draft(self, msg: DraftStep) -> None:
+        # Held until a target call gives it something to overlap with (wait_target starts it on the pool thread);
+        # waited for with no target call in between, it runs on the caller's thread. A second thread running
+        # torch only pays when it overlaps: its own OpenMP team keeps spinning after each call and, on a machine
+        # with as many threads as cores, slowed the plain steps that follow by ~40 % (SmolLM2, 2 threads).
         assert self.draft is not None and self._pool is not None, "draft call without a draft model"
-        assert self._draft_future is None, "a draft call is already in flight"
-        self._draft_future = self._pool.submit(self.draft.step, msg)
+        assert self._draft_future is None and self._draft_msg is None, "a draft call is already in flight"
+        self._draft_msg = msg
 
     def wait_draft(self) -> DraftStepOutput:
+        if self._draft_msg is not None:  # nothing overlapped it: run it here
+            msg, self._draft_msg = self._draft_msg, None
+            return self.draft.step(msg)
         assert self._draft_future is not None, "no draft call in flight"
         fut, self._draft_future = self._draft_future, None
         return fut.result()
@@ -66,6 +74,9 @@ class LocalExecutor:
     def wait_target(self) -> TargetStepOutput:
         assert self._target_msg is not None, "no target call in flight"
         msg, self._target_msg = self._target_msg, None
+        if self._draft_msg is not None:  # a pending draft call overlaps this target call
+            draft_msg, self._draft_msg = self._draft_msg, None
+            self._draft_future = self._pool.submit(self.draft.step, draft_msg)
         out = self.target.step(msg)
         if out.laws_error is not None:  # the in-process draft cannot die alone: only a stuck draft gets here
             raise RuntimeError(out.laws_error)
