@@ -18,6 +18,19 @@ PARAMS = [SamplingParams(max_tokens=TP_MAX_TOKENS, temperature=0.0, ignore_eos=T
     for i in range(len(TP_PROMPTS))]
 
 
+def uni_and_tp2(target: str, spec: dict) -> tuple[dict, list[dict]]:
+    """The same greedy + seeded requests in-process and on a TP 2 target: per run (outputs, accepted, rounds), and
+    the TP 2 run's workers (for the leftover check)."""
+    runs, workers = {}, []
+    for name, kw in (("uni", {"distributed_executor_backend": "uni"}), ("tp2", {"tensor_parallel_size": 2})):
+        llm = LLM(target, spec, **kw)
+        outs = [o.token_ids for o in llm.generate(TP_PROMPTS + TP_PROMPTS, PARAMS)]
+        runs[name] = (outs, llm.engine.stats.num_accepted, llm.engine.stats.num_rounds)
+        workers = llm.engine.executor.describe() if name == "tp2" else workers
+        llm.shutdown()
+    return runs, workers
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
@@ -36,13 +49,7 @@ def test_tp2_eagle_equals_in_process(ray_cluster, tp_models: TPModels, tmp_path,
     train_head(tp_models.target, seqs, head, EagleTrainConfig(minutes=0.5, steps=80, batch=4, seq_len=12, lr=5e-3),
                log=lambda *_: None)
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "adaptive": False, **keys}
-    runs = {}
-    for name, kw in (("uni", {"distributed_executor_backend": "uni"}), ("tp2", {"tensor_parallel_size": 2})):
-        llm = LLM(tp_models.target, spec, **kw)
-        outs = [o.token_ids for o in llm.generate(TP_PROMPTS + TP_PROMPTS, PARAMS)]
-        runs[name] = (outs, llm.engine.stats.num_accepted, llm.engine.stats.num_rounds)
-        workers = llm.engine.executor.describe() if name == "tp2" else None
-        llm.shutdown()
+    runs, workers = uni_and_tp2(tp_models.target, spec)
     assert runs["tp2"][0][: len(TP_PROMPTS)] == tp_models.expected
     assert runs["tp2"] == runs["uni"] and runs["uni"][1] > 0  # same drafts: the features crossed intact
     assert not ray_leftovers(workers, check_ray=False)

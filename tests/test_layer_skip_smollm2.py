@@ -54,10 +54,10 @@ def test_smollm2_drafts_with_its_shipped_exit_and_greedy_equals_no_speculation()
     from engine.core.draft_setup import draft_setup
     from workers.model_config import ModelConfig
 
+    smol = smollm2_path()  # skips when the package is absent, before "smollm2" is resolved below
     cfg = EngineArgs(target="smollm2", speculative_config='{"method": "layer_skip"}').to_engine_config()
     opts = draft_setup(cfg, ModelConfig.from_pretrained(cfg.target)).target_options
     assert opts["layer_skip_exit_layer"] == 10 and opts["layer_skip_adapter"].endswith("smollm2-exit")
-    smol = smollm2_path()
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with LLM(smol, "none", max_num_seqs=2) as llm:

@@ -132,8 +132,9 @@ def test_disconnect_mid_stream_frees_the_request(server) -> None:
     ({"prompt": "def f():", "top_p": 0}, ["top_p", "(0, 1]"]),
     ({"prompt": "def f():", "temperature": -0.5}, ["temperature", ">= 0"]),
     ({"prompt": [[1, 5000]]}, ["prompt_token_ids", "4096"]),
-    ({"prompt": "def f():", "logprobs": 2}, ["logprobs", "not supported"]),
-    ({"prompt": "def f():", "n": 2}, ["n=1"]),
+    ({"prompt": "def f():", "logprobs": 21}, ["logprobs", "20"]),
+    ({"prompt": "def f():", "n": 17}, ["n", "16"]),
+    ({"prompt": "def f():", "n": 2, "best_of": 3}, ["best_of", "not supported"]),
     ({"prompt": "def f():", "extra_body": {"top_k": 0.5}}, ["top_k"]),
 ])
 def test_400s_name_the_field(client, kwargs, words) -> None:
