@@ -182,7 +182,7 @@ class DraftWorker(WorkerBase):
         reqs = [self._layout(s) for s in msg.seqs]
 
         # Forward 1: prefills, every in-flight chain and prediction nodes; logits where trees or guesses start.
-        pieces = [prefill_forward(dataclasses.replace(p, token_ids=self._own_ids(p.token_ids)), want_logits=False)
+        pieces = [prefill_forward(dataclasses.replace(p, token_ids=self._own_ids(p.token_ids)))
                   for p in msg.prefills]
         wanted: list[list[int]] = []
         for r in reqs:

@@ -90,9 +90,8 @@ class TargetWorker(WorkerBase):
         start = time.perf_counter()
         self.law_store.drop(msg.finished)
         sampled = [p for p in msg.prefills if p.sample is not None]
-        pieces = [prefill_forward(p, want_logits=p.sample is not None) for p in msg.prefills]
-        for piece, p in zip(pieces, msg.prefills, strict=True):
-            piece.logit_nodes = prefill_logit_nodes(p)  # every row when it asks for prompt logprobs (echo)
+        # a sampled chunk's last row; every row when it asks for prompt logprobs (echo)
+        pieces = [prefill_forward(p, prefill_logit_nodes(p)) for p in msg.prefills]
         num_pre = sum(len(piece.logit_nodes) for piece in pieces)
         pieces += [_verify_piece(s) for s in msg.seqs]
         if self.self_drafter is not None:  # self-drafted rounds start at layer L (workers/layer_skip/)

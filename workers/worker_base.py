@@ -44,10 +44,11 @@ class WorkerBase:
                                       config.num_blocks, config.block_size, dtype, self.device)
 
 
-def prefill_forward(p: PrefillSeq, want_logits: bool) -> SeqForward:
+def prefill_forward(p: PrefillSeq, logit_nodes: list[int] | None = None) -> SeqForward:
+    """A prompt chunk as a causal chain; ``logit_nodes``: the chunk's rows to score (none: it only fills KV)."""
     n = len(p.token_ids)
     return SeqForward(block_table=p.block_table, base_len=p.base_len, parents=list(range(-1, n - 1)),
-                      token_ids=p.token_ids, logit_nodes=[n - 1] if want_logits else [])
+                      token_ids=p.token_ids, logit_nodes=logit_nodes or [])
 
 
 def sampling_batch(specs: list[SamplingSpec], counts: list[int], device: torch.device) -> SamplingBatch:
