@@ -55,13 +55,14 @@ sampling = {
     "ignore_eos": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "n": _mostly(st.just(1), 0, 2, -1),
-    "logprobs": st.none(),
+    "n": _mostly(st.just(1) | st.just(2), 0, -1, 17, 2**64),
+    "logprobs": _mostly(st.none() | st.integers(0, 3), -1, 21, 2**64, True),
     "user": st.text(max_size=8),
 }
 FIELDS = sorted({*sampling, "model", "prompt", "max_tokens", "messages", "max_completion_tokens", "best_of", "echo",
                  "suffix", "logit_bias", "presence_penalty", "tools", "response_format", "stream_options",
-                 "return_token_ids"})
+                 "return_token_ids", "top_logprobs", "logprobs_mode", "structured_outputs", "guided_json",
+                 "guided_regex", "guided_choice", "guided_grammar"})
 mutations = st.lists(st.tuples(st.sampled_from(FIELDS) | st.text(max_size=8),
                                anything | st.integers(-(2**70), 2**70) | st.just(_DELETE)), max_size=2)
 
