@@ -1,4 +1,11 @@
-"""Weight-only 4-bit matmuls for GGUF Q4_0 / Q4_1 weights, kept packed in memory (``--quantization gguf``).
+"""Weight-only matmuls for GGUF block weights, kept packed in memory (``--quantization gguf``).
+
+Two kernels. The native one (``BlockLinear``, workers/kernels/gguf_blocks.py) reads Q4_0 / Q4_1 / Q8_0 in the
+file's own blocks with float32 activations and accumulation, reads each weight row once for all rows of a call,
+and is row-invariant by construction; it is used when it builds and passes its check on this machine, on the CPU,
+and ``KernelConfig.gguf_native`` holds (``SPECSERVE_GGUF_KERNEL=0`` also turns it off). With it the tied
+embedding / head stays in blocks too (workers/quantized_head.py). Otherwise (no compiler, a GPU, switched off),
+torch's int4 kernel below, which is what the rest of this docstring describes.
 
 A batch-1 decode step is memory-bound: every weight byte is read once per step, so a 4-bit weight is read in
 about 1/7 of the time of its float32 expansion (Q4_1 stores 20 bytes per 32 weights). The matmul is torch's
@@ -33,7 +40,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from workers.kernels import gguf_blocks
+from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
+from workers.kernels.row_linear import KernelConfig
 from workers.layers import ColumnParallelLinear, RowParallelLinear
+from workers.quantized_head import native_qtype, quantize_head, raw_blocks
 
 GROUP = 32  # weights per Q4_0 / Q4_1 block
 _KERNEL_DTYPE = torch.bfloat16
@@ -86,11 +97,37 @@ class Int4Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
 
+class BlockLinear(nn.Module):
+    """y = x W^T with W held as the file's blocks [out, in / 32 * block bytes] uint8 (the native kernel); x [T, in]
+    in any float dtype (computed in float32), y [T, out] in x's dtype."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int) -> None:
+        super().__init__()
+        self.register_buffer("blocks", blocks)
+        self.qtype = qtype
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] // gguf_blocks.BLOCK_BYTES[qtype] * GROUP
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_blocks.block_matmul(x.float().contiguous(), self.blocks, self.qtype).to(x.dtype)  # [T, out]
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+
+def use_native(model: nn.Module, config: KernelConfig = DEFAULT_KERNELS) -> bool:
+    """Whether ``model``'s block weights go through the native kernel (CPU, switched on, built and checked)."""
+    params = list(model.parameters())
+    on_cpu = not params or params[0].device.type == "cpu"
+    return config.gguf_native and on_cpu and gguf_blocks.available()
+
+
 @dataclass
 class QuantReport:
-    quantized: list[str] = field(default_factory=list)  # module names now running Int4Linear
+    quantized: list[str] = field(default_factory=list)  # module names now running BlockLinear / Int4Linear
     dequantized: list[str] = field(default_factory=list)  # Q4 weights expanded because the kernel cannot take them
     packed_bytes: int = 0
+    native: bool = False  # the native block kernel (BlockLinear and the block-held embedding / head)
 
 
 def _rank_blocks(layer: nn.Module, parts: Sequence[tuple[Any, Any]]) -> np.ndarray | None:
@@ -110,22 +147,29 @@ def _rank_blocks(layer: nn.Module, parts: Sequence[tuple[Any, Any]]) -> np.ndarr
     return np.concatenate([p for _, p in pieces], axis=0)
 
 
-def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], QuantReport]:
-    """Put Q4 linear weights into ``Int4Linear`` modules; returns (weights left for ``load_weights``, report).
+def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]],
+                     config: KernelConfig = DEFAULT_KERNELS) -> tuple[list[tuple[str, Any]], QuantReport]:
+    """Put block-quantized linear weights into ``BlockLinear`` (native kernel) or Q4 ones into ``Int4Linear``
+    modules, and with the native kernel the embedding / head into blocks; returns (weights left for
+    ``load_weights``, report).
 
     ``weights``: (HF name, ``GGUFSource``); ``model.route_weight`` maps names to our parameters.
     """
-    q4 = _q4_types()
+    report = QuantReport(native=use_native(model, config))
+    if report.native:
+        weights, report.packed_bytes = quantize_head(model, weights)
+        kinds = {src.qtype for _, src in weights if native_qtype(src) is not None}  # formats the kernel reads
+    else:
+        kinds = set(_q4_types())
     modules = dict(model.named_modules())
     groups: dict[str, list[tuple[str, Any, Any]]] = {}  # module name -> [(hf name, shard id, source)]
     for hf_name, src in weights:
         routed = model.route_weight(hf_name)
-        if routed is None or getattr(src, "qtype", None) not in q4 or not routed[0].endswith(".weight"):
+        if routed is None or getattr(src, "qtype", None) not in kinds or not routed[0].endswith(".weight"):
             continue
         module_name = routed[0].rpartition(".")[0]
         if isinstance(modules.get(module_name), (ColumnParallelLinear, RowParallelLinear)):
             groups.setdefault(module_name, []).append((hf_name, routed[1], src))
-    report = QuantReport()
     taken: set[str] = set()
     for module_name, parts in groups.items():
         layer = modules[module_name]
@@ -134,11 +178,14 @@ def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]]) -> tuple[
             continue
         raw = _rank_blocks(layer, [(sid, src) for _, sid, src in parts])
         out_rows, in_cols = layer.weight.shape
-        if raw is None or not Int4Linear.fits(out_rows, in_cols):
+        if raw is None or not (report.native or Int4Linear.fits(out_rows, in_cols)):
             report.dequantized.append(module_name)
             continue
-        q, scale, zero = decode_q4_blocks(raw, parts[0][2].qtype)
-        layer.quant = Int4Linear(q, scale, zero).to(layer.weight.device)
+        if report.native:
+            layer.quant = BlockLinear(raw_blocks(raw), native_qtype(parts[0][2]))
+        else:
+            q, scale, zero = decode_q4_blocks(raw, parts[0][2].qtype)
+            layer.quant = Int4Linear(q, scale, zero).to(layer.weight.device)
         layer.weight = None  # no float copy of the weight is kept
         report.quantized.append(module_name)
         report.packed_bytes += layer.quant.nbytes()

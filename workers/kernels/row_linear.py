@@ -47,6 +47,9 @@ class KernelConfig:
     # Call only row counts a probe showed give the base chunk's bits (workers/kernels/row_chunks.py). False
     # trusts every size unchecked: only for showing what the check prevents.
     check_sizes: bool = True
+    # GGUF block weights (Q4_0 / Q4_1 / Q8_0) through the native row-invariant kernel (workers/kernels/
+    # gguf_blocks.py) when it builds here; False: torch's int4 kernel (bfloat16 activations) and a float32 head.
+    gguf_native: bool = True
 
     def __post_init__(self) -> None:
         if self.gemm_rows < 1 or self.head_gemv_bytes < 0 or self.max_rows % self.gemm_rows:

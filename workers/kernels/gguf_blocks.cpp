@@ -1,0 +1,337 @@
+// y[M, N] = x[M, K] W^T with W kept in a GGUF file's own blocks (Q4_0, Q4_1, Q8_0), float32 throughout.
+//
+// Row-invariant by construction: each output element y[m, n] is computed by the same instructions in the same
+// order whatever M, the row's place among the M rows, and the thread count:
+//   - threads split the output columns n (at::parallel_for: torch's own OpenMP team), never K;
+//   - the weight row n is dequantized exactly (w = d*q + m: d*q is exact in float32, so one rounding, the same
+//     with or without FMA) into a float buffer, then each row m accumulates 16 lanes, lane l holding
+//     sum over k = l, l+16, l+32, ... of x[m,k]*w[k] by fused multiply-adds in increasing k, and the 16 lanes are
+//     summed by one fixed tree (8, 4, 2, 1 apart);
+//   - the AVX-512, AVX2 and scalar paths compute exactly that (the AVX2 path keeps the 16 lanes as two 8-lane
+//     halves, the scalar one calls std::fma), so all three give the same bits; rows are tiled only to keep
+//     accumulators in registers, and a tile never mixes rows.
+// Built without -ffast-math and with -ffp-contract=off (workers/kernels/gguf_blocks.py), so the compiler fuses or
+// reorders nothing on its own. The SIMD paths are compiled with target attributes and chosen at run time from the
+// CPU's flags (__builtin_cpu_supports), so the library itself runs on any x86-64.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define SPECSERVE_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // weights per block (all three formats)
+constexpr int kLanes = 16;       // accumulator lanes per row (the reduction order's shape)
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+// kSkewed: a deliberately row-count-dependent variant (lanes summed in another order when M > 1), only for
+// showing that the row-invariance tests catch such a kernel (tests/test_kernel_gguf.py).
+enum Isa : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kSkewed = 99 };
+
+int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return 18;  // d, 16 bytes of nibbles
+    case Q4_1: return 20;  // d, m, 16 bytes of nibbles
+    case Q8_0: return 34;  // d, 32 int8
+    default: TORCH_CHECK(false, "unsupported GGUF block type ", qtype);
+  }
+}
+
+float half_to_float(uint16_t h) {  // exact IEEE binary16 -> binary32 (subnormals included)
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(mant & 0x400)) { mant <<= 1; --exp; }
+    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+
+// Weight row (K / 32 blocks) -> w[K] float32, exactly (shared by every path: its arithmetic is exact or one
+// rounding of an exact product plus m, so vectorising it would not change a bit; the compiler may).
+void dequantize_row(const uint8_t* row, int64_t k, int64_t qtype, float* w) {
+  const int64_t bb = block_bytes(qtype);
+  for (int64_t b = 0; b < k / kBlock; ++b, row += bb, w += kBlock) {
+    const float d = half_to_float(load_u16(row));
+    if (qtype == Q8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(row + 2);
+      for (int j = 0; j < 32; ++j) w[j] = d * float(q[j]);
+    } else if (qtype == Q4_1) {
+      const float m = half_to_float(load_u16(row + 2));
+      const uint8_t* q = row + 4;
+      for (int j = 0; j < 16; ++j) { w[j] = d * float(q[j] & 0x0F) + m; w[j + 16] = d * float(q[j] >> 4) + m; }
+    } else {
+      const uint8_t* q = row + 2;
+      for (int j = 0; j < 16; ++j) { w[j] = d * float((q[j] & 0x0F) - 8); w[j + 16] = d * float((q[j] >> 4) - 8); }
+    }
+  }
+}
+
+float lane_sum(float* t) {  // the fixed horizontal sum: halves added 8, 4, 2, 1 lanes apart
+  for (int s = kLanes / 2; s >= 1; s /= 2)
+    for (int l = 0; l < s; ++l) t[l] = t[l] + t[l + s];
+  return t[0];
+}
+
+// --- the dot products of one dequantized weight row with R rows of x (y[m * ldy] for each row m) ---
+template <int R>
+void dots_scalar(const float* w, const float* x, int64_t k, float* y, int64_t ldy) {
+  float acc[R][kLanes] = {};
+  for (int64_t i = 0; i < k; i += kLanes)
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(x[r * k + i + l], w[i + l], acc[r][l]);
+  for (int r = 0; r < R; ++r) y[r * ldy] = lane_sum(acc[r]);
+}
+
+template <int R>
+void dots_skewed(const float* w, const float* x, int64_t k, float* y, int64_t ldy) {
+  float acc[R][kLanes] = {};
+  for (int64_t i = 0; i < k; i += kLanes)
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kLanes; ++l) acc[r][l] = std::fma(x[r * k + i + l], w[i + l], acc[r][l]);
+  for (int r = 0; r < R; ++r) {
+    float s = 0.0f;
+    for (int l = 0; l < kLanes; ++l) s += acc[r][l];  // sequential, not the tree: another order
+    y[r * ldy] = s;
+  }
+}
+
+#ifdef SPECSERVE_X86
+// The fixed lane tree of lane_sum, in registers: the same additions on the same pairs (a + b == b + a exactly).
+__attribute__((target("avx2"))) inline float tree_sum(__m256 lo, __m256 hi) {
+  const __m256 s8 = _mm256_add_ps(lo, hi);                                                     // l, l + 8
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));      // l, l + 4
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                      // l, l + 2
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                              // 0, 1
+}
+
+template <int R, int NB>
+__attribute__((target("avx2,fma"))) void dots_avx2(const float* w, const float* x, int64_t k, float* y,
+                                                   int64_t ldy) {
+  static_assert(NB == 1, "AVX2 has registers for one weight row");
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+  for (int64_t i = 0; i < k; i += kLanes) {
+    const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i + 8), w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = tree_sum(lo[r], hi[r]);
+}
+
+// NB weight rows (stride k) at once: each x load serves NB output columns (y[r * ldy + c]).
+template <int R, int NB>
+__attribute__((target("avx512f"))) void dots_avx512(const float* w, const float* x, int64_t k, float* y,
+                                                    int64_t ldy) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += kLanes) {
+    __m512 wv[NB];
+    for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_ps(w + c * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * k + i);
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NB; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+      y[r * ldy + c] = tree_sum(lo, hi);
+    }
+}
+
+// The same dequantization, vectorised (exact arithmetic: the bits equal dequantize_row's).
+__attribute__((target("avx512f,f16c"))) void dequantize_row_avx512(const uint8_t* row, int64_t k, int64_t qtype,
+                                                                  float* w) {
+  const int64_t bb = block_bytes(qtype);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < k / kBlock; ++b, row += bb, w += kBlock) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(row)));
+    if (qtype == Q8_0) {
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18));
+      _mm512_storeu_ps(w, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))));
+      _mm512_storeu_ps(w + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1))));
+      continue;
+    }
+    const bool q41 = qtype == Q4_1;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (q41 ? 4 : 2)));
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+    if (q41) {
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(row + 2)));
+      _mm512_storeu_ps(w, _mm512_add_ps(_mm512_mul_ps(d, lo), m));
+      _mm512_storeu_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(d, hi), m));
+    } else {
+      const __m512 eight = _mm512_set1_ps(8.0f);
+      _mm512_storeu_ps(w, _mm512_mul_ps(d, _mm512_sub_ps(lo, eight)));
+      _mm512_storeu_ps(w + 16, _mm512_mul_ps(d, _mm512_sub_ps(hi, eight)));
+    }
+  }
+}
+
+__attribute__((target("avx2,f16c"))) void dequantize_row_avx2(const uint8_t* row, int64_t k, int64_t qtype,
+                                                             float* w) {
+  const int64_t bb = block_bytes(qtype);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < k / kBlock; ++b, row += bb, w += kBlock) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(row)));
+    if (qtype == Q8_0) {
+      for (int j = 0; j < 32; j += 8) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 2 + j));
+        _mm256_storeu_ps(w + j, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      }
+      continue;
+    }
+    const bool q41 = qtype == Q4_1;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (q41 ? 4 : 2)));
+    const __m128i nib[2] = {_mm_and_si128(q, low), _mm_and_si128(_mm_srli_epi16(q, 4), low)};
+    const __m256 m = q41 ? _mm256_set1_ps(_cvtsh_ss(load_u16(row + 2))) : _mm256_setzero_ps();
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; j += 8) {
+        const __m128i src = j ? _mm_srli_si128(nib[h], 8) : nib[h];  // bytes j .. j + 7 of this half
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(src));
+        v = q41 ? _mm256_add_ps(_mm256_mul_ps(d, v), m) : _mm256_mul_ps(d, _mm256_sub_ps(v, eight));
+        _mm256_storeu_ps(w + h * 16 + j, v);
+      }
+  }
+}
+#endif
+
+using Dequantize = void (*)(const uint8_t*, int64_t, int64_t, float*);
+
+Dequantize dequantizer(int64_t isa) {
+#ifdef SPECSERVE_X86
+  if (isa == kAvx512) return dequantize_row_avx512;
+  if (isa == kAvx2) return dequantize_row_avx2;
+#endif
+  return dequantize_row;
+}
+
+using Dots = void (*)(const float*, const float*, int64_t, float*, int64_t);
+
+#define SPECSERVE_TILES(fn) {fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
+#define SPECSERVE_TILES_NB(fn, nb) {fn<1, nb>, fn<2, nb>, fn<3, nb>, fn<4, nb>, fn<5, nb>, fn<6, nb>, \
+                                    fn<7, nb>, fn<8, nb>}
+constexpr int kTile = 8;  // rows per register tile, one weight row (the last tile of a call may be shorter)
+constexpr int kWide = 4;  // weight rows per AVX-512 pass (R rows x 4 columns of accumulators)
+constexpr int kWideTile = 6;  // rows per such pass: 24 accumulators + 4 weights + 1 x of 32 registers
+
+int64_t best_isa() {
+#ifdef SPECSERVE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+const Dots* tiles(int64_t isa, int64_t m) {
+  static const Dots scalar[kTile] = SPECSERVE_TILES(dots_scalar);
+  static const Dots skewed[kTile] = SPECSERVE_TILES(dots_skewed);
+  if (isa == kSkewed) return m > 1 ? skewed : scalar;
+#ifdef SPECSERVE_X86
+  static const Dots avx2[kTile] = SPECSERVE_TILES_NB(dots_avx2, 1);
+  static const Dots avx512[kTile] = SPECSERVE_TILES_NB(dots_avx512, 1);
+  if (isa == kAvx512) return avx512;
+  if (isa == kAvx2) return avx2;
+#endif
+  return scalar;
+}
+
+const Dots* wide_tiles(int64_t isa) {  // kWide weight rows a pass, up to kWideTile rows; null: not on this path
+#ifdef SPECSERVE_X86
+  static const Dots avx512[kWideTile] = {dots_avx512<1, kWide>, dots_avx512<2, kWide>, dots_avx512<3, kWide>,
+                                         dots_avx512<4, kWide>, dots_avx512<5, kWide>, dots_avx512<6, kWide>};
+  if (isa == kAvx512) return avx512;
+#endif
+  return nullptr;
+}
+
+int64_t resolve_isa(int64_t isa) {
+  const int64_t best = best_isa();
+  if (isa == kAuto) return best;
+  if (isa == kSkewed) return isa;
+  TORCH_CHECK(isa >= kScalar && isa <= best, "instruction set ", isa, " not available here (best: ", best, ")");
+  return isa;
+}
+
+// x [M, K] float32, blocks [N, K / 32 * block bytes] uint8 -> y [M, N] float32.
+at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t isa) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "x: [M, K] float32 CPU");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "blocks: [N, bytes] uint8");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), bb = block_bytes(qtype);
+  TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * bb, "blocks do not hold ", k, " weights a row");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const int64_t chosen = resolve_isa(isa);
+  const Dots* dots = tiles(chosen, m);
+  const Dequantize dequantize = dequantizer(chosen);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1);
+  const Dots* wide = wide_tiles(chosen);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(kWide * k);  // kWide dequantized weight rows
+    for (int64_t j = begin; j < end;) {
+      const int64_t nb = wide != nullptr && end - j >= kWide ? kWide : 1;
+      for (int64_t c = 0; c < nb; ++c) dequantize(wp + (j + c) * row_bytes, k, qtype, w.data() + c * k);
+      const int tile = nb == kWide ? kWideTile : kTile;
+      for (int64_t r = 0; r < m; r += tile) {
+        const int64_t rows = std::min<int64_t>(tile, m - r);
+        (nb == kWide ? wide : dots)[rows - 1](w.data(), xp + r * k, k, yp + r * n + j, n);
+      }
+      j += nb;
+    }
+  });
+  return y;
+}
+
+// The rows ``ids`` [T] of the dequantized matrix -> [T, K] float32 (an embedding lookup).
+at::Tensor block_rows(const at::Tensor& blocks, const at::Tensor& ids_in, int64_t qtype) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(), "blocks: [N, bytes] uint8");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t bb = block_bytes(qtype), row_bytes = blocks.size(1), k = row_bytes / bb * kBlock, t = ids.numel();
+  at::Tensor out = at::empty({t, k}, blocks.options().dtype(at::kFloat));
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < blocks.size(0), "row id ", ip[i], " out of range");
+    dequantize_row(blocks.data_ptr<uint8_t>() + ip[i] * row_bytes, k, qtype, out.data_ptr<float>() + i * k);
+  }
+  return out;
+}
+
+int64_t block_isa() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY(specserve_gguf, m) {
+  m.def("mm(Tensor x, Tensor blocks, int qtype, int isa=-1) -> Tensor", &block_mm);
+  m.def("rows(Tensor blocks, Tensor ids, int qtype) -> Tensor", &block_rows);
+  m.def("best_isa() -> int", &block_isa);
+}

@@ -1,0 +1,191 @@
+"""The native matmul on GGUF block weights (Q4_0, Q4_1, Q8_0): built on first use, checked, then loaded.
+
+``block_matmul(x, blocks, qtype)`` computes y [M, N] = x [M, K] W^T with W kept in the file's own blocks, float32
+activations and accumulation and exact dequantization (w = d q + m per 32 weights), each output element summed in
+one fixed order whatever M, the row's neighbours and the thread count (gguf_blocks.cpp says how). It reads each
+weight row once for all M rows, so a 5-row verify pays the weight bytes of a one-row step.
+
+Build: ``g++`` compiles gguf_blocks.cpp against torch's headers and libraries into a plain shared library of torch
+operators (no pybind, no ninja, no Python headers), cached under the user cache directory keyed by the source,
+torch's version and the compiler; the threads are torch's own (``at::parallel_for`` on torch's OpenMP runtime,
+the ``libgomp.so.1`` torch has loaded), never a second team. Before the library is first loaded into this process,
+a subprocess loads it and checks it (exact dequantization, results against a float64 reference, a row alone ==
+the row inside M rows) on this CPU, so a crash or an illegal instruction can only kill that subprocess; a pass
+is remembered per library and CPU. Where anything fails (no compiler, a build error, a failed check) the engine
+logs why once and the callers keep torch's path (workers/quantized_linear.py). ``python -m
+workers.kernels.gguf_blocks`` builds and checks ahead of time (a warm step; it prints the library's path).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_blocks.cpp")
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, as the kernel takes them
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per 32-weight block
+ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "skewed": 99}  # "skewed": the M-dependent test-only variant
+BUILD_TIMEOUT_S = 300  # one g++ run (~20-40 s on a loaded 2-core machine)
+CHECK_TIMEOUT_S = 120  # the subprocess check, torch's import included
+_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-w"]
+
+
+def cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("SPECSERVE_KERNEL_CACHE") or user_cache_dir("specserve")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + version.encode()
+                         + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"gguf_blocks-{key}.so"
+
+
+def build() -> Path:
+    """The compiled library (built now unless cached); raises with the compiler's message when it cannot."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (g++ / c++ / $CXX)")
+    lib = _library_path(cxx)
+    if lib.exists():
+        return lib
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libdirs = library_paths()
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), str(SOURCE),
+               "-o", str(out), *(f"-L{p}" for p in libdirs), *(f"-Wl,-rpath,{p}" for p in libdirs),
+               "-lc10", "-ltorch_cpu"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, lib)  # atomic: a concurrent builder's library is as good as ours
+    return lib
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        info = os.uname().machine
+    return hashlib.sha256(info.encode()).hexdigest()[:12]
+
+
+def _checked(lib: Path) -> None:
+    """Raise unless a subprocess loaded ``lib`` and its checks passed on this CPU (remembered per CPU)."""
+    marker = lib.with_name(f"{lib.name}.ok-{_cpu_key()}")
+    if marker.exists():
+        return
+    done = subprocess.run([sys.executable, "-m", "workers.kernels.gguf_blocks", "--check", str(lib)],
+                          capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    if done.returncode != 0:
+        raise RuntimeError(f"the kernel's check failed (exit {done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()[-1500:]}")
+    marker.touch()
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the native kernel is built, checked and loaded (False once, with one warning, when it is not)."""
+    if os.environ.get("SPECSERVE_GGUF_KERNEL", "1") == "0":
+        return False
+    try:
+        lib = build()
+        _checked(lib)
+        torch.ops.load_library(str(lib))
+    except Exception as e:  # noqa: BLE001 - any failure means the torch path, said once
+        log.warning("GGUF block kernel unavailable, using torch's int4 path and float32 head: %s", e)
+        return False
+    return True
+
+
+def block_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str = "auto") -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, N] float32, W = ``blocks`` [N, K / 32 * block bytes] uint8 of ``qtype``."""
+    return torch.ops.specserve_gguf.mm(x, blocks, qtype, -1 if isa == "auto" else ISA[isa])
+
+
+def block_rows(blocks: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Rows ``ids`` [T] of W, dequantized -> [T, K] float32 (an embedding lookup)."""
+    return torch.ops.specserve_gguf.rows(blocks, ids, qtype)
+
+
+def best_isa() -> str:
+    return {v: k for k, v in ISA.items()}[torch.ops.specserve_gguf.best_isa()]
+
+
+def dequantize_reference(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """blocks [N, B] uint8 -> W [N, K] float32 by torch ops (w = d q + m): the kernel's weights, independently."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, BLOCK_BYTES[qtype])  # [N, G, bytes]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
+    if qtype == QTYPES["Q8_0"]:
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # [N, G, 32]
+        return (d * q).reshape(n, -1)
+    nib = b[..., 4:] if qtype == QTYPES["Q4_1"] else b[..., 2:]  # [N, G, 16]
+    q = torch.cat([nib & 0x0F, nib >> 4], -1).float()  # [N, G, 32]
+    if qtype == QTYPES["Q4_1"]:
+        return (d * q + b[..., 2:4].contiguous().view(torch.float16).float()).reshape(n, -1)
+    return (d * (q - 8)).reshape(n, -1)
+
+
+def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
+    """Random valid blocks [N, K / 32 * block bytes] uint8 (scales ~0.01, finite)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // 32, BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=g)
+    heads = 4 if qtype == QTYPES["Q4_1"] else 2
+    scales = (torch.rand(n, k // 32, heads // 2, generator=g) * 0.02 - 0.01).half()  # d (and m)
+    raw[..., :heads] = scales.view(torch.uint8).reshape(n, k // 32, heads)
+    return raw.reshape(n, -1)
+
+
+def self_check() -> None:
+    """The checks the subprocess runs before the engine loads the library (raises AssertionError)."""
+    g = torch.Generator().manual_seed(1)
+    isas = [i for i in ("scalar", "avx2", "avx512") if ISA[i] <= ISA[best_isa()]]
+    for name, qtype in QTYPES.items():
+        blocks = random_blocks(40, 96, qtype)
+        w = dequantize_reference(blocks, qtype)  # [40, 96]
+        assert torch.equal(block_rows(blocks, torch.arange(40), qtype), w), f"{name}: dequantization"
+        x = torch.randn(11, 96, generator=g)
+        ref = (x.double() @ w.double().t()).float()
+        for isa in isas:
+            y = block_matmul(x, blocks, qtype, isa)
+            torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4, msg=f"{name} {isa}: values")
+            for m in range(1, 11):
+                assert torch.equal(block_matmul(x[m - 1:m + 1], blocks, qtype, isa)[1], y[m]), f"{name} {isa}: rows"
+            assert torch.equal(y, block_matmul(x, blocks, qtype, "scalar")), f"{name} {isa}: paths differ"
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--check":
+        torch.ops.load_library(sys.argv[2])
+        self_check()
+        print(f"ok ({best_isa()})")
+        return
+    print(f"{build()}: {'checked and loaded' if available() else 'unavailable (see the warning)'}")
+
+
+if __name__ == "__main__":
+    main()
