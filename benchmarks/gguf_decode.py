@@ -56,26 +56,46 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def gguf_weight_bytes(path: str, packed: bool) -> int:
+def gguf_weight_bytes(path: str, packed: bool, native: bool = False) -> int:
     """Bytes of the matrices specserve holds for a GGUF file, from the file's tensor table: with ``packed``
     (``--quantization gguf``) the decoder layers' Q4_0 / Q4_1 weights stay 4-bit, 20 bytes per 32 weights (16 of
     nibbles, a bfloat16 scale and zero: workers/quantized_linear.py); every other matrix (the token embedding, the
-    head) is expanded to float32."""
+    head) is expanded to float32. ``native`` (the native block kernel, workers/kernels/gguf_blocks.py): every
+    Q4_0 / Q4_1 / Q8_0 matrix, the tied embedding / head included, stays as the file stores it."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+    if packed and native:
+        blocks = four_bit + (GGMLQuantizationType.Q8_0,)
+        return sum(int(t.n_bytes) if t.tensor_type in blocks else 4 * int(t.n_elements)
+                   for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
     return sum(int(t.n_elements) // 32 * 20 if packed and t.tensor_type in four_bit and t.name.startswith("blk.")
                else 4 * int(t.n_elements)
                for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
 
 
-def specserve_runner(path: str, quantization: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
+def specserve_runner(path: str, quantization: str, prompt: list[int], n: int,
+                     native: bool = True) -> tuple[Callable[[], int], int]:
+    """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head)."""
     from engine import LLM, SamplingParams
+    from workers.kernels import gguf_blocks
 
-    llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
+    saved = os.environ.get("SPECSERVE_GGUF_KERNEL")
+    os.environ["SPECSERVE_GGUF_KERNEL"] = "1" if native else "0"
+    gguf_blocks.available.cache_clear()
+    try:
+        llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
+        used = quantization == "gguf" and gguf_blocks.available()
+    finally:
+        if saved is None:
+            del os.environ["SPECSERVE_GGUF_KERNEL"]
+        else:
+            os.environ["SPECSERVE_GGUF_KERNEL"] = saved
+        gguf_blocks.available.cache_clear()
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    return (lambda: len(llm.generate([prompt], params)[0].token_ids)), gguf_weight_bytes(path, quantization == "gguf")
+    return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
+            gguf_weight_bytes(path, quantization == "gguf", used))
 
 
 def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
@@ -117,6 +137,7 @@ def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tupl
 # torch op -> what it is, for the profile's classes (anything else: "elementwise, norms, RoPE")
 OP_CLASSES = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
+    "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::rows": "copies, casts, gathers",
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
@@ -228,7 +249,11 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
     results = profile_forwards(path, quantization, rows_list, steps)
-    floor_ms = gguf_weight_bytes(path, quantization != "none") / (gbs * 1e9) * 1e3 if path.endswith(".gguf") else 0
+    from workers.kernels.gguf_blocks import available
+
+    packed = quantization != "none"
+    floor_ms = (gguf_weight_bytes(path, packed, packed and available()) / (gbs * 1e9) * 1e3
+                if path.endswith(".gguf") else 0)
     names = sorted({k for r in results for k in r["classes_ms"]}, key=lambda k: -results[0]["classes_ms"].get(k, 0))
     print(f"ms per forward (median of {steps}; classes: profiled self time); weight-bytes floor {floor_ms:.2f} ms "
           f"at {gbs:g} GB/s")
@@ -248,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp-threads", default="1,2",
                     help="llama.cpp n_threads, comma-separated: one llama_cpp row per value")
     ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
-                    help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python")
+                    help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python; "
+                         "specserve_q4_torch: the 4-bit target without the native kernel")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
@@ -291,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             runners[mode] = specserve_runner(path, "none", prompt, n)
         elif mode == "specserve_q4":
             runners[mode] = specserve_runner(path, "gguf", prompt, n)
+        elif mode == "specserve_q4_torch":  # the native kernel switched off: torch's int4 path, float32 head
+            runners[mode] = specserve_runner(path, "gguf", prompt, n, native=False)
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
         elif mode in ("llama_cpp", "llamacpp"):
