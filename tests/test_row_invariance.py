@@ -251,3 +251,20 @@ def test_real_four_bit_target_greedy_batch_one_equals_batch_sixteen_and_speculat
     spec_llm = LLM(smol, spec(smol, 3), num_kv_tokens=2048)
     assert [o.token_ids for o in spec_llm.generate(prompts, greedy)] == batch16
     assert spec_llm.engine.stats.num_rounds > 0
+
+
+def test_tiny_quantized_model_takes_the_native_block_kernel(tmp_path) -> None:
+    """Where the native GGUF kernel builds, the tiny Q4_1 model's linears and tied head run it (and the test above
+    checks its rows)."""
+    from workers.kernels import gguf_blocks
+    from workers.quantized_head import BlockHead
+    from workers.quantized_linear import BlockLinear
+
+    if not gguf_blocks.available():
+        pytest.skip("the native GGUF kernel did not build here")
+    hf = make_tiny_checkpoint(tmp_path / "hf", family="llama", vocab_size=128, seed=3, head_dim=16,
+                              num_attention_heads=4, num_key_value_heads=2)
+    model = load_model(hf_to_gguf(hf, tmp_path / "tiny-q4_1.gguf", "Q4_1"))
+    assert model.quant_report.native and isinstance(model.lm_head, BlockHead)
+    assert all(isinstance(m.quant, BlockLinear) for m in model.modules() if getattr(m, "quant", None) is not None)
+    assert _invariance_failures(model) == []
