@@ -24,6 +24,7 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
         --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
 
+``--profile --compare-native``: the 4-bit target with the native GGUF kernel against torch's path, alternating.
 (``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
 that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 """
@@ -31,10 +32,11 @@ that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -74,24 +76,32 @@ def gguf_weight_bytes(path: str, packed: bool, native: bool = False) -> int:
                for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
 
 
+@contextlib.contextmanager
+def native_kernel(on: bool) -> Iterator[None]:
+    """Models loaded inside use the native GGUF kernel (where it builds) or, ``on`` False, torch's path."""
+    from workers.kernels import gguf_blocks
+
+    saved = os.environ.get("SPECSERVE_GGUF_KERNEL")
+    os.environ["SPECSERVE_GGUF_KERNEL"] = "1" if on else "0"
+    gguf_blocks.available.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop("SPECSERVE_GGUF_KERNEL")
+        if saved is not None:
+            os.environ["SPECSERVE_GGUF_KERNEL"] = saved
+        gguf_blocks.available.cache_clear()
+
+
 def specserve_runner(path: str, quantization: str, prompt: list[int], n: int,
                      native: bool = True) -> tuple[Callable[[], int], int]:
     """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head)."""
     from engine import LLM, SamplingParams
     from workers.kernels import gguf_blocks
 
-    saved = os.environ.get("SPECSERVE_GGUF_KERNEL")
-    os.environ["SPECSERVE_GGUF_KERNEL"] = "1" if native else "0"
-    gguf_blocks.available.cache_clear()
-    try:
+    with native_kernel(native):
         llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
         used = quantization == "gguf" and gguf_blocks.available()
-    finally:
-        if saved is None:
-            del os.environ["SPECSERVE_GGUF_KERNEL"]
-        else:
-            os.environ["SPECSERVE_GGUF_KERNEL"] = saved
-        gguf_blocks.available.cache_clear()
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
@@ -247,6 +257,30 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
         print(f"{rows:>5} {a:>8.2f} {b:>14.2f} {b / a:>6.2f}")
 
 
+def compare_native(path: str, rows_list: list[int], steps: int, repeats: int, cpu_time: bool = False) -> None:
+    """ms per forward of the 4-bit target with the native GGUF kernel and with torch's path (int4 kernel, float32
+    head), both loaded in this process and alternated ``repeats`` times; medians."""
+    import statistics
+
+    runs = {}
+    for native in (False, True):
+        with native_kernel(native):
+            runs[native] = _prompted_runner(path, "gguf")
+    clock = time.process_time if cpu_time else time.perf_counter
+    ms: dict[tuple[bool, int], list[float]] = {}
+    for _ in range(repeats):
+        for native, (_, runner, table, prompt) in runs.items():
+            for rows in rows_list:
+                ms.setdefault((native, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps,
+                                                                    clock))
+    print(f"{'CPU' if cpu_time else 'wall'} ms per forward (rows of one verify chain), medians of {repeats} "
+          f"alternating runs; native kernel in use: {runs[True][0].quant_report.native}")
+    print(f"{'rows':>5} {'torch':>8} {'native':>8} {'ratio':>6}")
+    for rows in rows_list:
+        a, b = (statistics.median(ms[(native, rows)]) for native in (False, True))
+        print(f"{rows:>5} {a:>8.2f} {b:>8.2f} {b / a:>6.2f}")
+
+
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
     results = profile_forwards(path, quantization, rows_list, steps)
     from workers.kernels.gguf_blocks import available
@@ -285,13 +319,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default=None, help="for --profile: gguf (default for a Q4 file) or none")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="with --compare-kernels, a float checkpoint in this dtype (default: the engine's choice)")
+    ap.add_argument("--compare-native", action="store_true", help="with --profile: native GGUF kernel vs torch's")
     ap.add_argument("--batch-rows", action="store_true",
                     help="with --compare-kernels: rows are one-row decode steps of that many sequences")
     ap.add_argument("--cpu-time", action="store_true",
-                    help="with --compare-kernels: CPU time per forward instead of wall (a loaded machine)")
+                    help="with --compare-kernels / --compare-native: CPU time per forward instead of wall")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.target)
+    if args.profile and args.compare_native:
+        compare_native(path, [int(r) for r in args.profile_rows.split(",")], args.profile_steps, args.repeats,
+                       args.cpu_time)
+        return 0
     if args.profile and args.compare_kernels:
         compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
                         args.profile_steps, args.repeats, args.dtype and getattr(torch, args.dtype), args.batch_rows,
