@@ -12,7 +12,10 @@ Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_
   per kernel, weight shape, dtype and thread count on first use), zero-padded up to an admitted count, on a fresh
   aligned copy of the rows. Where every count is admitted (oneDNN on most shipped shapes) a call is one whole-M
   call; elsewhere the count is padded (oneDNN at K = 1,536 sums a lone row in another order: it runs as 2 rows).
-- packed int4 (workers/quantized_linear.py): torch's kernel already sums each row alone.
+- GGUF block weights (Q4_0 / Q4_1 / Q8_0, the tied embedding / head included): the native kernel
+  (``gguf_blocks``, a C++ extension built on first use) sums each output in one fixed order whatever M, the
+  row's neighbours, the thread count and the SIMD path, by construction; where it does not build, torch's packed
+  int4 kernel (workers/quantized_linear.py), which sums each row alone too, and the float32 head below.
 - the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
   memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).
 - attention (workers/row_invariant.py ``RowAttention``): each query row computed as its own one-query SDPA call
