@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.adaptive.acceptance import AcceptanceTracker, expected_tokens
 from scheduler.adaptive.config import AdaptiveConfig
-from scheduler.adaptive.costs import CostModel, StepTiming
+from scheduler.adaptive.costs import CostModel, StepTiming, bucket
 from scheduler.adaptive.explore import Explorer
 from scheduler.adaptive.plan import Plan, Req, plan, price, real_load
 from scheduler.adaptive.realized import RealizedRates
@@ -38,6 +38,9 @@ class AdaptivePolicy:
     realized: RealizedRates | None = None  # what planned steps yielded, speculative and plain apart
     _step_tokens: int = 0  # tokens this step's rounds emitted so far
     _step_drafted: bool = False  # whether any of them verified candidates
+    _probes: dict[int, int] = field(default_factory=dict)  # batch bucket -> probes of vetoed speculation that lost
+    _probe: bool = False  # this step is such a probe
+    _since_probe: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the planner ran vetoed
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -64,8 +67,13 @@ class AdaptivePolicy:
         tokens, drafted, self._step_tokens, self._step_drafted = self._step_tokens, self._step_drafted, 0, False
         if not self.observing or None in views:  # a step this policy did not plan is not learned from
             return
+        seconds = timing.verify_s + timing.draft_s + timing.state_s
         if self.forced is None and not batch.prefills:
-            self.realized.observe(len(views), drafted, tokens, timing.verify_s + timing.draft_s + timing.state_s)
+            if self._probe and drafted:  # a probe that lost stretches the next interval; one that won resets it
+                plain = self.realized.rate(len(views), False)
+                b = bucket(len(views))
+                self._probes[b] = self._probes.get(b, 0) + 1 if plain and tokens < plain * seconds else 0
+            self.realized.observe(len(views), drafted, tokens, seconds)
         load = real_load(views, batch.shapes)
         prefill = sum(c.end - c.start for c in batch.prefills)
         load.verify_tokens += prefill
@@ -83,6 +91,7 @@ class AdaptivePolicy:
         self.acceptance = AcceptanceTracker(self.config)
         self.realized = RealizedRates(self.config)
         self._last.clear()
+        self._probes.clear()
 
     @staticmethod
     def pinned(req: Request) -> bool:
@@ -93,35 +102,59 @@ class AdaptivePolicy:
     def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
         """Each request's round. ``prefill``: prompt chunks share the step (no exploration: its time is theirs)."""
         tree = self.base.tree.branching
+        self._probe = False
         if self.forced is not None:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             return [self.forced[: self.base.cap(r)] for r in reqs]
+        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
+        # whatever the curves predict, and without planning (its ~1 ms a step shows at batch 1) once the opening
+        # rounds are done and nothing is pinned; the planned speculation still runs as a probe when due (what a
+        # step of it loses sets how often, stretched while probes keep losing), so a workload that starts accepting
+        # more is seen.
+        n = len(reqs)
+        loss = self.realized.loss(n)
+        if loss <= 0:
+            self._probes.pop(bucket(n), None)
+        b = bucket(n)
+        self._since_probe[b] = self._since_probe.get(b, 0) + 1
+        vetoed = loss > 0 and (prefill or self._since_probe[b] <= self._probe_interval(loss, n))
+        if vetoed and self._opened(reqs):
+            self._views = {r.seq_id: self._view(r, []) for r in reqs}
+            self._last.update((r.seq_id, ()) for r in reqs)
+            return [()] * n
         rates = {g: (self.acceptance.rates(g, len(tree)), self.acceptance.rates(g, len(tree), tree)
                      if any(w > 1 for w in tree) else None) for g in (False, True)}
         pins = self._pins(reqs)
-        views = [self._view(r, *rates[r.params.greedy], tree[: self.base.cap(r)] if p else None)
-                 for r, p in zip(reqs, pins, strict=True)]
+        views = [self._view(r, *rates[r.params.greedy], p) for r, p in zip(reqs, pins, strict=True)]
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
         costs = self._costs_for(views)
         if all(v.pinned is not None for v in views):
-            return fixed
+            return [v.pinned for v in views]
         if not costs.ready:
             return self._cold(views, fixed)
-        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
-        # (pinned requests keep their shapes) whatever the curves predict, without planning (its own time counts
-        # at batch 1); the planned speculation still runs as an exploration when the budget allows (what a step
-        # of it loses sets how often), so a workload that starts accepting more is seen.
-        loss = self.realized.loss(len(views))
-        if loss > 0 and (prefill or self.realized.steps_since(len(views), True) < self.explorer.interval(loss)):
+        if vetoed:
             plain = [v.pinned or () for v in views]
             self._last.update((v.seq_id, s) for v, s in zip(views, plain, strict=True))
             return plain
         best = plan(views, costs, tree, self.config, self._last)
         self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
-        if loss > 0:  # an exploration of what the planner would run
+        if loss > 0:  # a probe of what the planner would run (plain decode too: the planner's answer is the probe)
+            self._probe, self._since_probe[b] = best.speculates, 0
             return best.shapes
         return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
+
+    def _probe_interval(self, loss: float, num_seqs: int) -> float:
+        """Steps between probes of vetoed speculation: the exploration budget's, times ``probe_backoff`` per probe
+        that lost since one last won (up to ``probe_every``)."""
+        c = self.config
+        stretch = c.probe_backoff ** self._probes.get(bucket(num_seqs), 0)
+        return min(float(max(c.probe_every, c.explore_min)), self.explorer.interval(loss) * stretch)
+
+    def _opened(self, reqs: Sequence[Request]) -> bool:
+        """No request pinned: none seeded and sampled, and each regime present past its opening rounds."""
+        seen = self.acceptance.seen_rounds
+        return not any(self.pinned(r) or seen(r.params.greedy) < self.config.min_rounds for r in reqs)
 
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
               pin: tuple[int, ...] | None = None) -> Req:
@@ -140,16 +173,19 @@ class AdaptivePolicy:
             lag += (catchup - 1) * min(1.0, expected_tokens(rates, cap) / remaining)
         return Req(r.seq_id, cap, inflight, catchup, rates, tree_rates, lag, r.params.greedy, pin)
 
-    def _pins(self, reqs: Sequence[Request]) -> list[bool]:
-        """Seeded sampled requests, and in a regime with fewer than ``min_rounds`` rounds seen, just enough of the
-        others to see them this step (the rest are planned from the prior)."""
-        pin = [self.pinned(r) for r in reqs]
+    def _pins(self, reqs: Sequence[Request]) -> list[tuple[int, ...] | None]:
+        """Seeded sampled requests at the configured shape, and in a regime with fewer than ``min_rounds`` rounds
+        seen, just enough of the others to see them this step at the opening chain of ``open_depth`` (cheap where
+        speculation loses; deeper positions start from the measured ones' rates); the rest are planned."""
+        tree = self.base.tree.branching
+        pin = [tree[: self.base.cap(r)] if self.pinned(r) else None for r in reqs]
         need = {g: self.config.min_rounds - self.acceptance.seen_rounds(g) for g in (False, True)}
         for r, p in zip(reqs, pin, strict=True):
-            need[r.params.greedy] -= p
+            need[r.params.greedy] -= p is not None
+        opening = (1,) * max(1, self.config.open_depth)
         for i, r in enumerate(reqs):
-            if not pin[i] and need[r.params.greedy] > 0:
-                pin[i] = True
+            if pin[i] is None and need[r.params.greedy] > 0:
+                pin[i] = opening[: self.base.cap(r)]
                 need[r.params.greedy] -= 1
         return pin
 
