@@ -13,8 +13,9 @@ from scheduler.adaptive.acceptance import AcceptanceTracker, expected_tokens
 from scheduler.adaptive.config import AdaptiveConfig
 from scheduler.adaptive.costs import CostModel, StepTiming, bucket
 from scheduler.adaptive.explore import Explorer
-from scheduler.adaptive.plan import Plan, Req, plan, price, real_load
+from scheduler.adaptive.plan import DRAFT, Plan, Req, plan, price, real_load
 from scheduler.adaptive.realized import RealizedRates
+from scheduler.adaptive.sources import Sources, choose
 from scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker | None = None
     observing: bool = True  # False: step times are not learned
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): start-up profiling
+    sources: Sources | None = None  # a proposer in the controller (and its fallback model), priced per request
+    match_acceptance: AcceptanceTracker | None = None  # the proposer's acceptance (``sources``)
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
@@ -45,6 +48,8 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if self.acceptance is None:
             self.acceptance = AcceptanceTracker(self.config)
+        if self.match_acceptance is None:
+            self.match_acceptance = AcceptanceTracker(self.config)
         self.costs = dataclasses.replace(self.costs, config=self.config)
         self.sampled_costs = dataclasses.replace(self.sampled_costs, config=self.config)
         self.explorer = Explorer(self.config)
@@ -58,7 +63,8 @@ class AdaptivePolicy:
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
         self._step_tokens += num_accepted + 1
         self._step_drafted = self._step_drafted or bool(branching)
-        self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
+        self._tracker(self.source_of(req.seq_id)).observe(req.params.greedy, any(w > 1 for w in branching),
+                                                           len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
@@ -89,6 +95,7 @@ class AdaptivePolicy:
     def reset_acceptance(self) -> None:
         """Forget what rounds taught (e.g. the start-up profiling's random prompts); the cost curves stay."""
         self.acceptance = AcceptanceTracker(self.config)
+        self.match_acceptance = AcceptanceTracker(self.config)
         self.realized = RealizedRates(self.config)
         self._last.clear()
         self._probes.clear()
@@ -122,13 +129,11 @@ class AdaptivePolicy:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             self._last.update((r.seq_id, ()) for r in reqs)
             return [()] * n
-        rates = {g: (self.acceptance.rates(g, len(tree)), self.acceptance.rates(g, len(tree), tree)
-                     if any(w > 1 for w in tree) else None) for g in (False, True)}
         pins = self._pins(reqs)
-        views = [self._view(r, *rates[r.params.greedy], p) for r, p in zip(reqs, pins, strict=True)]
+        costs = self._costs_for([r.params.greedy for r in reqs])
+        views = self._views_of(reqs, pins, costs)
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
-        costs = self._costs_for(views)
         if all(v.pinned is not None for v in views):
             return [v.pinned for v in views]
         if not costs.ready:
@@ -153,12 +158,58 @@ class AdaptivePolicy:
 
     def _opened(self, reqs: Sequence[Request]) -> bool:
         """No request pinned: none seeded and sampled, and each regime present past its opening rounds."""
-        seen = self.acceptance.seen_rounds
-        return not any(self.pinned(r) or seen(r.params.greedy) < self.config.min_rounds for r in reqs)
+        seen, need = self.acceptance.seen_rounds, self.config.min_rounds if self._opens else 0
+        return not any(self.pinned(r) or seen(r.params.greedy) < need for r in reqs)
+
+    @property
+    def _opens(self) -> bool:
+        """Opening rounds measure a draft model (a proposer is free to try: it measures itself)."""
+        return self.sources is None or self.sources.fallback_depth > 0
+
+    def source_of(self, seq_id: int) -> str:
+        """The source this step's plan gave the request's candidates (``DRAFT`` when no proposer is configured)."""
+        v = self._views.get(seq_id)
+        return v.source if v is not None else DRAFT
+
+    def _tracker(self, source: str) -> AcceptanceTracker:
+        return self.match_acceptance if self.sources is not None and source == self.sources.name else self.acceptance
+
+    def _views_of(self, reqs: Sequence[Request], pins: list[tuple[int, ...] | None], costs: CostModel) -> list[Req]:
+        """Each request as planned: from the draft's rates, or with ``sources`` the view of the source it is best
+        drafted from (sources.py); a seeded sampled request takes the proposer wherever it has a match (its
+        output must not depend on timing)."""
+        tree = self.base.tree.branching
+        memo: dict[tuple[str, bool], tuple[list[float], list[float] | None]] = {}
+
+        def rates(source: str, greedy: bool) -> tuple[list[float], list[float] | None]:
+            if (source, greedy) not in memo:
+                t = self._tracker(source)
+                memo[source, greedy] = (t.rates(greedy, len(tree)),
+                                        t.rates(greedy, len(tree), tree) if any(w > 1 for w in tree) else None)
+            return memo[source, greedy]
+
+        src = self.sources
+        if src is None:
+            return [self._view(r, *rates(DRAFT, r.params.greedy), p) for r, p in zip(reqs, pins, strict=True)]
+        views = []
+        for r, p in zip(reqs, pins, strict=True):
+            cap, g = self.base.cap(r), r.params.greedy
+            depth = min(cap, src.match(r, cap)) if cap else 0
+            options = []
+            if depth:
+                pin = p if self.pinned(r) else None  # opening rounds are the draft model's
+                options.append(dataclasses.replace(self._view(r, *rates(src.name, g), pin, cap=depth),
+                                                   source=src.name, forwards=False))
+            if src.fallback_depth and not (options and self.pinned(r)):
+                options.append(self._view(r, *rates(DRAFT, g), p, cap=min(cap, src.fallback_depth)))
+            views.append(choose(options, costs, self.config) if options
+                         else self._view(r, *rates(DRAFT, g), None, cap=0))
+        return views
 
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
-              pin: tuple[int, ...] | None = None) -> Req:
-        cap = self.base.cap(r)
+              pin: tuple[int, ...] | None = None, cap: int | None = None) -> Req:
+        cap = self.base.cap(r) if cap is None else cap
+        pin = pin[:cap] if pin is not None else None
         catchup = max(1, r.num_tokens - r.num_cached_draft)
         inflight = max(1, r.num_tokens - r.num_cached_target)
         if not rates:  # forced shapes: only the step's accounting is needed
@@ -179,7 +230,7 @@ class AdaptivePolicy:
         speculation loses; deeper positions start from the measured ones' rates); the rest are planned."""
         tree = self.base.tree.branching
         pin = [tree[: self.base.cap(r)] if self.pinned(r) else None for r in reqs]
-        need = {g: self.config.min_rounds - self.acceptance.seen_rounds(g) for g in (False, True)}
+        need = {g: self.config.min_rounds - self.acceptance.seen_rounds(g) if self._opens else 0 for g in (False, True)}
         for r, p in zip(reqs, pin, strict=True):
             need[r.params.greedy] -= p is not None
         opening = (1,) * max(1, self.config.open_depth)
@@ -189,8 +240,8 @@ class AdaptivePolicy:
                 need[r.params.greedy] -= 1
         return pin
 
-    def _costs_for(self, views: Sequence[Req]) -> CostModel:
-        return self.sampled_costs if any(not v.greedy for v in views) and self.sampled_costs.ready else self.costs
+    def _costs_for(self, greedy: Sequence[bool]) -> CostModel:
+        return self.sampled_costs if not all(greedy) and self.sampled_costs.ready else self.costs
 
     def _cold(self, views: list[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """While the curves cannot price a plan: pinned rounds, else plain decode and a few requests at the
