@@ -10,7 +10,7 @@ class AdaptiveConfig:
     # Planning.
     hysteresis: float = 0.05  # a change (plan, pipelining mode) must win by this much: stability vs reaction
     spec_margin: float = 0.05  # speculating must be predicted this much faster than plain decode: cost errors vs gains
-    min_rounds: int = 8  # opening rounds a regime runs before it is planned: evidence vs their cost where they lose
+    min_rounds: int = 4  # opening rounds a regime runs before it is planned: evidence vs their cost where they lose
     open_depth: int = 2  # ... as a chain this deep (not the configured tree): their cost vs evidence deeper down
     search_prices: int = 16  # prefixes the planner prices per depth cap: its own time vs a finer search
     # Acceptance estimates (per position, regime and kind; exponentially weighted counts).
