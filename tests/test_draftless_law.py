@@ -28,7 +28,8 @@ CONFIGS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_spec_factor": 3.0,
                "suffix_decoding_min_token_prob": 0.0, "suffix_decoding_max_tree_depth": 6},
 }
-LAWS = {"ngram": (1.0, -1, 1.0), "suffix": (0.7, 5, 1.0), "ngram-fallback": (1.0, -1, 1.0)}
+LAWS = {"ngram": (1.0, -1, 1.0), "suffix": (0.7, 5, 1.0), "ngram-fallback": (1.0, -1, 1.0),
+        "ngram-fallback-adaptive": (1.0, -1, 1.0)}
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +54,21 @@ def _sample(target: str, cfg: dict, law: tuple[float, int, float]) -> tuple[np.n
     return tokens, llm
 
 
-@pytest.mark.parametrize("method", [*sorted(CONFIGS), "ngram-fallback"])
+@pytest.mark.parametrize("method", [*sorted(CONFIGS), "ngram-fallback", "ngram-fallback-adaptive"])
 def test_draftless_output_follows_the_target_law(small_vocab, joint, method: str) -> None:
     target, draft = small_vocab
     cfg = dict(CONFIGS[method.split("-")[0]])
-    if method.endswith("fallback"):
+    if "fallback" in method:
         # Lookup of 2-grams only: rounds without a match go to the draft model, so one batch mixes one-hot
-        # trees with trees whose laws come from the draft.
+        # trees with trees whose laws come from the draft (adaptive: the policy routes each round to a source).
         cfg |= {"prompt_lookup_min": 2, "fallback": {"model": draft, "num_speculative_tokens": 2}}
+    if method.endswith("adaptive"):
+        cfg |= {"adaptive": True, "adaptive_warmup_s": 0.5, "adaptive_cost_cache": False}
     tokens, llm = _sample(target, cfg, LAWS[method])
     stats = llm.engine.stats
     # Proposals happened in most rounds, some accepted and some rejected.
     sources = {k: v.num_rounds for k, v in stats.by_source.items()}
-    if method.endswith("fallback"):
+    if "fallback" in method:
         assert min(sources.get("ngram", 0), sources.get("draft_model", 0)) >= N // 12, sources
     else:
         assert sources[method] >= N, stats.as_dict()

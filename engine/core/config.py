@@ -92,8 +92,8 @@ class SpeculativeConfig:
       role is pinned to (one torch thread per core), e.g. [1] and [0], so the two do not compete;
     - ``adaptive``: choose each round's depth (0 .. num_speculative_tokens) and shape (chains, or the configured
       tree) per request from measured costs and acceptance (docs/adaptive.md); default true unless
-      ``num_speculative_tokens_per_batch_size`` fixes the schedule (false for ngram / suffix, which accept true
-      without a fallback); false runs ``num_speculative_tokens`` (and
+      ``num_speculative_tokens_per_batch_size`` fixes the schedule (false for ngram / suffix, which accept true,
+      with or without a fallback); false runs ``num_speculative_tokens`` (and
       the configured tree) every round. Seeded sampled requests always run the configured shape (their tokens
       depend on the depths; a seed must reproduce them);
     - ``adaptive_warmup_s``: seconds of dummy sequences at start-up over depths and batch sizes that seed the

@@ -10,6 +10,7 @@ plain decode round, or, with a fallback, the draft model's round (``FallbackDraf
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,14 +50,25 @@ class ControllerDrafter:
         self.settle(gone)
         trees = []
         for r, shape in zip(batch.rounds, batch.shapes, strict=True):
-            self._running[r.seq_id] = r
-            # A seeded sampled request's tokens depend on the trees it was offered: from its own tokens only, so
-            # that its seed reproduces them whatever other requests came before.
-            shared = r.params.seed is None or r.params.greedy
-            tokens, parents = (self.proposer.propose(r.seq_id, r.all_token_ids, branching_nodes(shape), len(shape),
-                                                     r.tenant, shared) if shape else ([], []))
+            tokens, parents = self._lookup(r, branching_nodes(shape), len(shape)) if shape else ([], [])
             trees.append(DraftTree(tokens, parents, ONE_HOT_TREE, 0, []) if tokens else NO_TREE)
         return trees
+
+    def match(self, req: Request, max_depth: int) -> int:
+        """How deep a chain the proposer has for ``req`` now (0: no match): the adaptive policy prices it before it
+        plans the round (scheduler/adaptive/sources.py)."""
+        _, parents = self._lookup(req, max_depth, max_depth)
+        depth: list[int] = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return max(depth, default=0)
+
+    def _lookup(self, r: Request, max_nodes: int, max_depth: int) -> tuple[list[int], list[int]]:
+        self._running[r.seq_id] = r  # its proposer state is dropped when it leaves (settle)
+        # A seeded sampled request's tokens depend on the trees it was offered: from its own tokens only, so that
+        # its seed reproduces them whatever other requests came before.
+        shared = r.params.seed is None or r.params.greedy
+        return self.proposer.propose(r.seq_id, r.all_token_ids, max_nodes, max_depth, r.tenant, shared)
 
     def settle(self, gone: list[int]) -> None:
         """Requests finished or preempted since the last step: their state goes; a finished output may stay."""
@@ -78,18 +90,27 @@ class ControllerDrafter:
 @dataclass
 class FallbackDrafter:
     """The proposer where it has a match, the draft model (at its own, shallower shape) elsewhere, per request
-    per round. The draft model catches up on the rounds it skipped by feeding their tokens next time."""
+    per round; under the adaptive policy (``source_of``), whichever source the policy priced best for the request,
+    at the planned shape. The draft model catches up on the rounds it skipped by feeding their tokens next time."""
 
     primary: ControllerDrafter
     model: SequentialDrafter
     model_branching: tuple[int, ...]  # the fallback's own tree (within the round's reserved nodes)
     stats: SpecDecodingStats | None = None
+    source_of: Callable[[int], str] | None = None  # seq_id -> the policy's source this step (None: proposer first)
     _sources: list[str | None] = field(default_factory=list)
 
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
-        trees = self.primary.propose(batch, gone)
-        shapes = [self.model_branching[: len(s)] if s and not t.num_nodes else () for s, t in
-                  zip(batch.shapes, trees, strict=True)]
+        if self.source_of is not None:
+            name = self.primary.proposer.name
+            mine = [s if self.source_of(r.seq_id) == name else () for r, s in zip(batch.rounds, batch.shapes,
+                                                                                  strict=True)]
+            trees = self.primary.propose(dataclasses.replace(batch, shapes=mine), gone)
+            shapes = [() if m else s for s, m in zip(batch.shapes, mine, strict=True)]
+        else:
+            trees = self.primary.propose(batch, gone)
+            shapes = [self.model_branching[: len(s)] if s and not t.num_nodes else () for s, t in
+                      zip(batch.shapes, trees, strict=True)]
         model_trees = self.model.propose(dataclasses.replace(batch, shapes=shapes), gone)
         self._sources = [self.primary.proposer.name if t.num_nodes else MODEL_SOURCE if m.num_nodes else None
                          for t, m in zip(trees, model_trees, strict=True)]

@@ -12,6 +12,8 @@ from engine.drafting.layer_skip import LayerSkipDrafter
 from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.drafting.ngram import NgramProposer
 from engine.drafting.suffix import SuffixProposer
+from scheduler.adaptive import AdaptivePolicy
+from scheduler.adaptive.sources import Sources
 from scheduler.scheduler import Scheduler
 
 __all__ = ["DRAFTLESS_METHODS", "draftless_drafter"]
@@ -25,8 +27,13 @@ def draftless_drafter(spec: Any, stats: SpecDecodingStats, executor: Any, times:
         return LayerSkipDrafter(executor, times, scheduler.target_blocks.tables)
     proposer = (NgramProposer(ngram_config(spec)) if spec.method == "ngram" else SuffixProposer(suffix_config(spec)))
     primary = ControllerDrafter(proposer, stats)
+    policy = scheduler.policy
+    adaptive = isinstance(policy, AdaptivePolicy)
+    if adaptive:  # the policy prices the proposer's match (and the fallback model) per request before each round
+        policy.sources = Sources(primary.match, proposer.name, spec.fallback.tree_shape.depth if spec.fallback else 0)
     if spec.fallback is None:
         return primary
     calls = DraftCalls(executor, times, scheduler.draft_blocks.tables)
     model = SequentialDrafter(calls, lazy_prefill=scheduler.lazy_draft_prefill)
-    return FallbackDrafter(primary, model, spec.fallback.tree_shape.branching, stats)
+    return FallbackDrafter(primary, model, spec.fallback.tree_shape.branching, stats,
+                           source_of=policy.source_of if adaptive else None)

@@ -50,9 +50,6 @@ def check_draftless(spec: Any) -> None:
                          "there is nothing to overlap (set pipeline false)")
     if spec.adaptive is None:
         spec.adaptive = False
-    if spec.adaptive and spec.fallback is not None:
-        raise ValueError(f"speculative_config.adaptive is not supported with method {m!r} and a fallback yet "
-                         "(the policy would have to price each source per request before it proposes)")
     if spec.num_speculative_tokens_per_batch_size is not None:
         raise ValueError(f"speculative_config.num_speculative_tokens_per_batch_size: not with method {m!r}")
     if spec.tree_sampling != "iid":

@@ -10,7 +10,8 @@ class AdaptiveConfig:
     # Planning.
     hysteresis: float = 0.05  # a change (plan, pipelining mode) must win by this much: stability vs reaction
     spec_margin: float = 0.05  # speculating must be predicted this much faster than plain decode: cost errors vs gains
-    min_rounds: int = 8  # rounds a regime runs at the configured shape before it is planned: evidence vs early gains
+    min_rounds: int = 4  # opening rounds a regime runs before it is planned: evidence vs their cost where they lose
+    open_depth: int = 2  # ... as a chain this deep (not the configured tree): their cost vs evidence deeper down
     search_prices: int = 16  # prefixes the planner prices per depth cap: its own time vs a finer search
     # Acceptance estimates (per position, regime and kind; exponentially weighted counts).
     prior_rate: float = 0.7  # a position's rate before anything is measured (the first position's prior)
@@ -23,6 +24,9 @@ class AdaptiveConfig:
     # Realised rates (scheduler/adaptive/realized.py): predictions checked against what the steps yielded.
     realized_decay: float = 0.9  # memory (~10 steps of a kind): reaction to a changed workload vs noise
     realized_min_steps: float = 3.0  # steps of each kind measured before speculation can be found slower
+    probe_backoff: float = 2.0  # a probe of vetoed speculation that loses again stretches the next interval this
+    #   much: what probing costs where speculation keeps losing vs reacting to a new workload ...
+    probe_every: int = 128  # ... up to this many steps apart (a workload that starts accepting waits at most this)
     # Exploration (shared by the plan's sizes and the pipelining switch).
     explore_budget: float = 0.03  # share of the time exploring may cost when the prediction is right
     explore_min: int = 8  # steps between explorations of one thing, at least: cheap explorations vs churn
@@ -48,9 +52,11 @@ class AdaptiveConfig:
                      "explore_budget", "switch_keep", "switch_age"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"adaptive config: {name} must be in (0, 1], got {getattr(self, name)!r}")
-        if self.explore_min > self.explore_every:
+        if self.explore_min > min(self.explore_every, self.probe_every):
             raise ValueError(f"adaptive config: explore_min ({self.explore_min}) exceeds explore_every "
-                             f"({self.explore_every})")
+                             f"({self.explore_every}) or probe_every ({self.probe_every})")
+        if self.probe_backoff < 1:
+            raise ValueError(f"adaptive config: probe_backoff must be at least 1, got {self.probe_backoff!r}")
         if self.switch_burst < 2 or self.switch_samples < 1:
             raise ValueError("adaptive config: switch_burst must be at least 2 (its first step is a transition) "
                              "and switch_samples at least 1")

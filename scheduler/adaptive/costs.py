@@ -31,13 +31,15 @@ class StepLoad:
     prefill_tokens: int = 0
     sampled: bool = False
 
-    def add(self, inflight: float, first_forward: float, shape: Sequence[int]) -> None:
-        """A round: ``inflight`` target tokens before its tree, ``first_forward`` draft tokens in its first forward."""
+    def add(self, inflight: float, first_forward: float, shape: Sequence[int], forwards: bool = True) -> None:
+        """A round: ``inflight`` target tokens before its tree, ``first_forward`` draft tokens in its first forward
+        (``forwards`` false: its candidates come from a proposer in the controller, no draft forward)."""
         self.num_seqs += 1
         self.verify_tokens += inflight
         level = 1
         for f, w in enumerate(shape):
-            self.feed(f, first_forward if f == 0 else level)
+            if forwards:
+                self.feed(f, first_forward if f == 0 else level)
             level *= w
             self.verify_tokens += level
 

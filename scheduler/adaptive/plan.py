@@ -28,6 +28,8 @@ class Req:
     lag: float | None = None  # draft tokens its first forward is priced at (None: ``catchup``, paid this round)
     greedy: bool = True
     pinned: tuple[int, ...] | None = None  # the shape it must run (not the planner's choice)
+    source: str = DRAFT  # who proposes its candidates
+    forwards: bool = True  # they cost draft-model forwards (False: a proposer in the controller, ~free)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def real_load(reqs: Sequence[Req], shapes: Sequence[tuple[int, ...]]) -> StepLoa
     """The step's token accounting as it will run (the engine times this; the planner prices the same)."""
     load = StepLoad(sampled=any(not r.greedy for r in reqs))
     for r, s in zip(reqs, shapes, strict=True):
-        load.add(r.inflight, r.catchup, s)
+        load.add(r.inflight, r.catchup, s, r.forwards)
     return load
 
 
@@ -82,9 +84,9 @@ def price(reqs: Sequence[Req], shapes: Sequence[tuple[int, ...]], costs: CostMod
     """Expected tokens and predicted seconds of a step running these shapes."""
     load, tokens = StepLoad(), 0.0
     for r, s in zip(reqs, shapes, strict=True):
-        load.add(r.inflight, _first_forward(r, s, steady), s)
+        load.add(r.inflight, _first_forward(r, s, steady), s, r.forwards)
         tokens += expected_tokens(_rates(r, s), len(s))
-    rounds = [Round(r.seq_id, DRAFT if s else PLAIN, tuple(s)) for r, s in zip(reqs, shapes, strict=True)]
+    rounds = [Round(r.seq_id, r.source if s else PLAIN, tuple(s)) for r, s in zip(reqs, shapes, strict=True)]
     return Plan(rounds, tokens, costs.step_seconds(load), real_load(reqs, shapes))
 
 
@@ -116,7 +118,7 @@ def best_chains(reqs: Sequence[Req], costs: CostModel, config: AdaptiveConfig) -
     base, tokens0 = StepLoad(), 0.0
     for r in reqs:
         s = r.pinned or ()
-        base.add(r.inflight, _first_forward(r, s, True) if s else 0.0, s)
+        base.add(r.inflight, _first_forward(r, s, True) if s else 0.0, s, r.forwards)
         tokens0 += expected_tokens(_rates(r, s), len(s))
     cands = sorted((-math.prod(reqs[i].rates[: j + 1]), j, i) for i in free for j in range(reqs[i].cap))
     plain_rate = tokens0 / max(costs.step_seconds(base), 1e-12)
@@ -146,8 +148,9 @@ def _best_prefix(reqs: Sequence[Req], cands: list[tuple[float, int, int]], base:
     for n, (neg_value, j, i) in enumerate(cands, start=1):
         r = reqs[i]
         load.verify_tokens += 1
-        load.feed(j, (r.lag if r.lag is not None else r.catchup) if j == 0 else 1)
-        if r.lag is not None:  # the steady catch-up moves with the chain's reach: 1 + P(all accepted)
+        if r.forwards:
+            load.feed(j, (r.lag if r.lag is not None else r.catchup) if j == 0 else 1)
+        if r.lag is not None and r.forwards:  # the steady catch-up moves with the chain's reach: 1 + P(all accepted)
             load.feed(0, -neg_value - reached[i], 0)
             reached[i] = -neg_value
         tokens -= neg_value

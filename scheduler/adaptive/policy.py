@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 
 from scheduler.adaptive.acceptance import AcceptanceTracker, expected_tokens
 from scheduler.adaptive.config import AdaptiveConfig
-from scheduler.adaptive.costs import CostModel, StepTiming
+from scheduler.adaptive.costs import CostModel, StepTiming, bucket
 from scheduler.adaptive.explore import Explorer
-from scheduler.adaptive.plan import Plan, Req, plan, price, real_load
+from scheduler.adaptive.plan import DRAFT, Plan, Req, plan, price, real_load
 from scheduler.adaptive.realized import RealizedRates
+from scheduler.adaptive.sources import Sources, choose
 from scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -32,16 +33,23 @@ class AdaptivePolicy:
     acceptance: AcceptanceTracker | None = None
     observing: bool = True  # False: step times are not learned
     forced: tuple[int, ...] | None = None  # every round at this shape (cut to caps): start-up profiling
+    sources: Sources | None = None  # a proposer in the controller (and its fallback model), priced per request
+    match_acceptance: AcceptanceTracker | None = None  # the proposer's acceptance (``sources``)
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
     realized: RealizedRates | None = None  # what planned steps yielded, speculative and plain apart
     _step_tokens: int = 0  # tokens this step's rounds emitted so far
     _step_drafted: bool = False  # whether any of them verified candidates
+    _probes: dict[int, int] = field(default_factory=dict)  # batch bucket -> probes of vetoed speculation that lost
+    _probe: bool = False  # this step is such a probe
+    _since_probe: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the planner ran vetoed
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
             self.acceptance = AcceptanceTracker(self.config)
+        if self.match_acceptance is None:
+            self.match_acceptance = AcceptanceTracker(self.config)
         self.costs = dataclasses.replace(self.costs, config=self.config)
         self.sampled_costs = dataclasses.replace(self.sampled_costs, config=self.config)
         self.explorer = Explorer(self.config)
@@ -55,7 +63,8 @@ class AdaptivePolicy:
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
         self._step_tokens += num_accepted + 1
         self._step_drafted = self._step_drafted or bool(branching)
-        self.acceptance.observe(req.params.greedy, any(w > 1 for w in branching), len(branching), num_accepted)
+        self._tracker(self.source_of(req.seq_id)).observe(req.params.greedy, any(w > 1 for w in branching),
+                                                           len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
@@ -64,8 +73,13 @@ class AdaptivePolicy:
         tokens, drafted, self._step_tokens, self._step_drafted = self._step_tokens, self._step_drafted, 0, False
         if not self.observing or None in views:  # a step this policy did not plan is not learned from
             return
+        seconds = timing.verify_s + timing.draft_s + timing.state_s
         if self.forced is None and not batch.prefills:
-            self.realized.observe(len(views), drafted, tokens, timing.verify_s + timing.draft_s + timing.state_s)
+            if self._probe and drafted:  # a probe that lost stretches the next interval; one that won resets it
+                plain = self.realized.rate(len(views), False)
+                b = bucket(len(views))
+                self._probes[b] = self._probes.get(b, 0) + 1 if plain and tokens < plain * seconds else 0
+            self.realized.observe(len(views), drafted, tokens, seconds)
         load = real_load(views, batch.shapes)
         prefill = sum(c.end - c.start for c in batch.prefills)
         load.verify_tokens += prefill
@@ -81,8 +95,10 @@ class AdaptivePolicy:
     def reset_acceptance(self) -> None:
         """Forget what rounds taught (e.g. the start-up profiling's random prompts); the cost curves stay."""
         self.acceptance = AcceptanceTracker(self.config)
+        self.match_acceptance = AcceptanceTracker(self.config)
         self.realized = RealizedRates(self.config)
         self._last.clear()
+        self._probes.clear()
 
     @staticmethod
     def pinned(req: Request) -> bool:
@@ -93,39 +109,107 @@ class AdaptivePolicy:
     def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
         """Each request's round. ``prefill``: prompt chunks share the step (no exploration: its time is theirs)."""
         tree = self.base.tree.branching
+        self._probe = False
         if self.forced is not None:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             return [self.forced[: self.base.cap(r)] for r in reqs]
-        rates = {g: (self.acceptance.rates(g, len(tree)), self.acceptance.rates(g, len(tree), tree)
-                     if any(w > 1 for w in tree) else None) for g in (False, True)}
+        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
+        # whatever the curves predict, and without planning (its ~1 ms a step shows at batch 1) once the opening
+        # rounds are done and nothing is pinned; the planned speculation still runs as a probe when due (what a
+        # step of it loses sets how often, stretched while probes keep losing), so a workload that starts accepting
+        # more is seen.
+        n = len(reqs)
+        loss = self.realized.loss(n)
+        if loss <= 0:
+            self._probes.pop(bucket(n), None)
+        b = bucket(n)
+        self._since_probe[b] = self._since_probe.get(b, 0) + 1
+        vetoed = loss > 0 and (prefill or self._since_probe[b] <= self._probe_interval(loss, n))
+        if vetoed and self._opened(reqs):
+            self._views = {r.seq_id: self._view(r, []) for r in reqs}
+            self._last.update((r.seq_id, ()) for r in reqs)
+            return [()] * n
         pins = self._pins(reqs)
-        views = [self._view(r, *rates[r.params.greedy], tree[: self.base.cap(r)] if p else None)
-                 for r, p in zip(reqs, pins, strict=True)]
+        costs = self._costs_for([r.params.greedy for r in reqs])
+        views = self._views_of(reqs, pins, costs)
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
-        costs = self._costs_for(views)
         if all(v.pinned is not None for v in views):
-            return fixed
+            return [v.pinned for v in views]
         if not costs.ready:
             return self._cold(views, fixed)
-        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
-        # (pinned requests keep their shapes) whatever the curves predict, without planning (its own time counts
-        # at batch 1); the planned speculation still runs as an exploration when the budget allows (what a step
-        # of it loses sets how often), so a workload that starts accepting more is seen.
-        loss = self.realized.loss(len(views))
-        if loss > 0 and (prefill or self.realized.steps_since(len(views), True) < self.explorer.interval(loss)):
+        if vetoed:
             plain = [v.pinned or () for v in views]
             self._last.update((v.seq_id, s) for v, s in zip(views, plain, strict=True))
             return plain
         best = plan(views, costs, tree, self.config, self._last)
         self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
-        if loss > 0:  # an exploration of what the planner would run
+        if loss > 0:  # a probe of what the planner would run (plain decode too: the planner's answer is the probe)
+            self._probe, self._since_probe[b] = best.speculates, 0
             return best.shapes
         return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
+    def _probe_interval(self, loss: float, num_seqs: int) -> float:
+        """Steps between probes of vetoed speculation: the exploration budget's, times ``probe_backoff`` per probe
+        that lost since one last won (up to ``probe_every``)."""
+        c = self.config
+        stretch = c.probe_backoff ** self._probes.get(bucket(num_seqs), 0)
+        return min(float(max(c.probe_every, c.explore_min)), self.explorer.interval(loss) * stretch)
+
+    def _opened(self, reqs: Sequence[Request]) -> bool:
+        """No request pinned: none seeded and sampled, and each regime present past its opening rounds."""
+        seen, need = self.acceptance.seen_rounds, self.config.min_rounds if self._opens else 0
+        return not any(self.pinned(r) or seen(r.params.greedy) < need for r in reqs)
+
+    @property
+    def _opens(self) -> bool:
+        """Opening rounds measure a draft model (a proposer is free to try: it measures itself)."""
+        return self.sources is None or self.sources.fallback_depth > 0
+
+    def source_of(self, seq_id: int) -> str:
+        """The source this step's plan gave the request's candidates (``DRAFT`` when no proposer is configured)."""
+        v = self._views.get(seq_id)
+        return v.source if v is not None else DRAFT
+
+    def _tracker(self, source: str) -> AcceptanceTracker:
+        return self.match_acceptance if self.sources is not None and source == self.sources.name else self.acceptance
+
+    def _views_of(self, reqs: Sequence[Request], pins: list[tuple[int, ...] | None], costs: CostModel) -> list[Req]:
+        """Each request as planned: from the draft's rates, or with ``sources`` the view of the source it is best
+        drafted from (sources.py); a seeded sampled request takes the proposer wherever it has a match (its
+        output must not depend on timing)."""
+        tree = self.base.tree.branching
+        memo: dict[tuple[str, bool], tuple[list[float], list[float] | None]] = {}
+
+        def rates(source: str, greedy: bool) -> tuple[list[float], list[float] | None]:
+            if (source, greedy) not in memo:
+                t = self._tracker(source)
+                memo[source, greedy] = (t.rates(greedy, len(tree)),
+                                        t.rates(greedy, len(tree), tree) if any(w > 1 for w in tree) else None)
+            return memo[source, greedy]
+
+        src = self.sources
+        if src is None:
+            return [self._view(r, *rates(DRAFT, r.params.greedy), p) for r, p in zip(reqs, pins, strict=True)]
+        views = []
+        for r, p in zip(reqs, pins, strict=True):
+            cap, g = self.base.cap(r), r.params.greedy
+            depth = min(cap, src.match(r, cap)) if cap else 0
+            options = []
+            if depth:
+                pin = p if self.pinned(r) else None  # opening rounds are the draft model's
+                options.append(dataclasses.replace(self._view(r, *rates(src.name, g), pin, cap=depth),
+                                                   source=src.name, forwards=False))
+            if src.fallback_depth and not (options and self.pinned(r)):
+                options.append(self._view(r, *rates(DRAFT, g), p, cap=min(cap, src.fallback_depth)))
+            views.append(choose(options, costs, self.config) if options
+                         else self._view(r, *rates(DRAFT, g), None, cap=0))
+        return views
+
     def _view(self, r: Request, rates: list[float], tree_rates: list[float] | None = None,
-              pin: tuple[int, ...] | None = None) -> Req:
-        cap = self.base.cap(r)
+              pin: tuple[int, ...] | None = None, cap: int | None = None) -> Req:
+        cap = self.base.cap(r) if cap is None else cap
+        pin = pin[:cap] if pin is not None else None
         catchup = max(1, r.num_tokens - r.num_cached_draft)
         inflight = max(1, r.num_tokens - r.num_cached_target)
         if not rates:  # forced shapes: only the step's accounting is needed
@@ -140,21 +224,24 @@ class AdaptivePolicy:
             lag += (catchup - 1) * min(1.0, expected_tokens(rates, cap) / remaining)
         return Req(r.seq_id, cap, inflight, catchup, rates, tree_rates, lag, r.params.greedy, pin)
 
-    def _pins(self, reqs: Sequence[Request]) -> list[bool]:
-        """Seeded sampled requests, and in a regime with fewer than ``min_rounds`` rounds seen, just enough of the
-        others to see them this step (the rest are planned from the prior)."""
-        pin = [self.pinned(r) for r in reqs]
-        need = {g: self.config.min_rounds - self.acceptance.seen_rounds(g) for g in (False, True)}
+    def _pins(self, reqs: Sequence[Request]) -> list[tuple[int, ...] | None]:
+        """Seeded sampled requests at the configured shape, and in a regime with fewer than ``min_rounds`` rounds
+        seen, just enough of the others to see them this step at the opening chain of ``open_depth`` (cheap where
+        speculation loses; deeper positions start from the measured ones' rates); the rest are planned."""
+        tree = self.base.tree.branching
+        pin = [tree[: self.base.cap(r)] if self.pinned(r) else None for r in reqs]
+        need = {g: self.config.min_rounds - self.acceptance.seen_rounds(g) if self._opens else 0 for g in (False, True)}
         for r, p in zip(reqs, pin, strict=True):
-            need[r.params.greedy] -= p
+            need[r.params.greedy] -= p is not None
+        opening = (1,) * max(1, self.config.open_depth)
         for i, r in enumerate(reqs):
-            if not pin[i] and need[r.params.greedy] > 0:
-                pin[i] = True
+            if pin[i] is None and need[r.params.greedy] > 0:
+                pin[i] = opening[: self.base.cap(r)]
                 need[r.params.greedy] -= 1
         return pin
 
-    def _costs_for(self, views: Sequence[Req]) -> CostModel:
-        return self.sampled_costs if any(not v.greedy for v in views) and self.sampled_costs.ready else self.costs
+    def _costs_for(self, greedy: Sequence[bool]) -> CostModel:
+        return self.sampled_costs if not all(greedy) and self.sampled_costs.ready else self.costs
 
     def _cold(self, views: list[Req], fixed: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """While the curves cannot price a plan: pinned rounds, else plain decode and a few requests at the
