@@ -1,4 +1,4 @@
-"""The ``Drafter`` of self-speculation (method ``layer_skip``): the target's worker drafts each round's chain.
+"""The ``Drafter`` of self-speculation (method ``layer_skip``): the target's worker drafts each round's tree.
 
 Also the choice of exit for a target (``resolve_exit``: the keys' L and adapter, or a packaged target's shipped
 adapter). One self-draft call before each verify call (an ordinary target call, to every rank), ints both ways;
@@ -56,7 +56,8 @@ def resolve_exit(spec: Any, target: str, tcfg: ModelConfig) -> tuple[int, str | 
 
 @dataclass
 class LayerSkipDrafter:
-    """The ``Drafter`` of method layer_skip: the target's worker drafts each scheduled round's chain."""
+    """The ``Drafter`` of method layer_skip: the target's worker drafts each scheduled round's tree (the policy's
+    shape: a chain, or ``tree_branching``)."""
 
     executor: Any  # engine.execution.executor.Executor: its target calls carry the self-draft call too
     times: StepTimes
@@ -65,7 +66,8 @@ class LayerSkipDrafter:
 
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
         msg = SelfDraftStep([SelfDraftSeq(r.seq_id, self.tables[r.seq_id], r.num_cached_target,
-                                          r.all_token_ids[r.num_cached_target:], sampling_spec(r), len(shape))
+                                          r.all_token_ids[r.num_cached_target:], sampling_spec(r), len(shape),
+                                          list(shape))
                              for r, shape in zip(batch.rounds, batch.shapes, strict=True) if shape])
         if not msg.seqs:
             return [NO_TREE] * len(batch.rounds)

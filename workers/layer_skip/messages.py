@@ -14,7 +14,8 @@ class SelfDraftSeq:
     base_len: int  # tokens with committed target KV
     token_ids: list[int]  # the in-flight tokens (fed first)
     sampling: SamplingSpec
-    num_tokens: int  # K: the chain's length this round
+    num_tokens: int  # K: the tree's depth this round
+    branching: list[int] = field(default_factory=list)  # children per node at each depth; empty: a chain of K
 
 
 @dataclass
