@@ -62,6 +62,7 @@ class LayerSkipDrafter:
     executor: Any  # engine.execution.executor.Executor: its target calls carry the self-draft call too
     times: StepTimes
     tables: Any  # the target's block tables (the scheduler's; read only): drafting writes their scratch slots
+    calls: Any = None  # engine.drafting.drafter.DraftCalls: its ``forward_s`` feeds the adaptive policy's costs
     _out: list[DraftTree] = field(default_factory=list)
 
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
@@ -74,6 +75,8 @@ class LayerSkipDrafter:
         self.executor.submit_target(msg)  # to every target rank, like a verify call
         out = self.executor.wait_target()
         self.times.draft_s += out.elapsed_s
+        if self.calls is not None:
+            self.calls.forward_s = list(out.forward_s)
         trees = {s.seq_id: t for s, t in zip(msg.seqs, out.trees, strict=True)}
         return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]
 
@@ -81,4 +84,8 @@ class LayerSkipDrafter:
         pass
 
     def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
-        return {}  # no draft KV of its own: the accepted rows' KV is the target's, committed by the verify
+        """No draft KV of its own: the accepted rows' KV is the target's, committed by the verify. The draft's
+        committed length is therefore the target's (what the adaptive policy reads as the tokens the next round's
+        first pass carries: the in-flight ones)."""
+        return {r.seq_id: r.num_tokens + len(res.accepted_nodes)
+                for r, res in zip(batch.rounds, out.results, strict=True)}

@@ -26,11 +26,8 @@ def check_layer_skip(spec: Any) -> None:
     if spec.pipeline:
         raise ValueError("speculative_config.pipeline: method 'layer_skip' drafts on the target itself, which "
                          "cannot verify and draft at once (set pipeline false)")
-    if spec.adaptive is None:
+    if spec.adaptive is None:  # opt-in: the policy prices the target's own passes once it has measured them
         spec.adaptive = False
-    if spec.adaptive:
-        raise ValueError("speculative_config.adaptive is not supported with method 'layer_skip' yet: it runs "
-                         "num_speculative_tokens")
     if spec.num_draft_tokens is not None or spec.draft_tensor_parallel_size != 1 or spec.draft_process:
         raise ValueError("speculative_config: num_draft_tokens, draft_tensor_parallel_size and draft_process are "
                          "not keys of method 'layer_skip' (the target drafts itself)")

@@ -98,6 +98,7 @@ class SelfDrafter:
         self._pads = {}
         trees = [self._tree(s) for s in msg.seqs if s.num_tokens > 0]
         live = [t for t in trees if t.seq.token_ids]
+        marks = [start]
         while live:
             pieces = [t.piece() for t in live]
             hidden, rows = self._early(pieces)
@@ -113,9 +114,13 @@ class SelfDrafter:
             for t in live:
                 t.depth += 1
             live = [t for t in live if t.new]  # the deepest nodes' early layers run once more, without the exit
+            marks.append(time.perf_counter())
         done = {t.seq.seq_id: self._finish(t) for t in trees}
         empty = DraftTree([], [], -1, 0, [])
-        return SelfDraftOutput([done.get(s.seq_id, empty) for s in msg.seqs], time.perf_counter() - start)
+        passes = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+        forward_s = passes[:-2] + [sum(passes[-2:])] if len(passes) > 1 else passes
+        return SelfDraftOutput([done.get(s.seq_id, empty) for s in msg.seqs], time.perf_counter() - start,
+                               forward_s)
 
     def _tree(self, s: SelfDraftSeq) -> _Tree:
         u = len(s.token_ids)
