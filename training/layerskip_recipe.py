@@ -57,7 +57,7 @@ class RecipeConfig:
     seed: int = 1234
 
 
-QUICK = RecipeConfig(layers=4, hidden=64, heads=4, ffn=160, steps=80, minutes=0.5, batch=8, seq_len=64,
+QUICK = RecipeConfig(layers=4, hidden=64, heads=4, ffn=160, steps=80, minutes=5.0, batch=8, seq_len=64,
                      files=60)
 
 
