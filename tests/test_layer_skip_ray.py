@@ -1,6 +1,6 @@
 """Self-speculation on a tensor-parallel target (Ray actors, TP 2): every rank drafts with its heads' early
-layers, rank 0 draws and broadcasts the tokens (chains and trees); greedy output is the target's and the outputs (greedy and seeded
-sampled) and acceptance equal the in-process engine's."""
+layers, rank 0 draws and broadcasts the tokens (chains and trees); greedy output is the target's and the outputs
+(greedy and seeded sampled) and acceptance equal the in-process engine's."""
 
 from __future__ import annotations
 
