@@ -58,7 +58,8 @@ EAGLE_MODES = ("specserve_eagle", "specserve_eagle_tree")
 
 # Draftless modes (engine/drafting/): prompt lookup and suffix decoding, run only when --modes names them.
 DRAFTLESS_MODES = ("specserve_ngram", "specserve_suffix")
-LAYER_SKIP_MODES = ("specserve_layer_skip",)  # the target's own early layers draft a chain of --k
+# the target's own early layers draft a chain of --k; _tree: a tree of --layer-skip-tree branching
+LAYER_SKIP_MODES = ("specserve_layer_skip", "specserve_layer_skip_tree")
 
 
 def load_prompts(path: str | None, tokenizer: Any, vocab: int, n: int, max_len: int) -> list[list[int]]:
@@ -207,6 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--exit-layer", type=int, default=None,
                     help="specserve_layer_skip's exit layer (default: the target's shipped exit adapter and its L)")
     ap.add_argument("--exit-adapter", default=None, help="specserve_layer_skip's exit adapter directory")
+    ap.add_argument("--layer-skip-tree", default="2,2,1,1", help="specserve_layer_skip_tree's branching")
     ap.add_argument("--exit-layers", default="", help="also adapter-free layer_skip at these L (modes "
                                                       "specserve_layer_skip_L<L>), e.g. 10,15,20")
     return ap.parse_args(argv)
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     specs["specserve_layer_skip"] = {"method": "layer_skip", "num_speculative_tokens": args.k,
                                      **({"exit_layer": args.exit_layer} if args.exit_layer else {}),
                                      **({"model": args.exit_adapter} if args.exit_adapter else {})}
+    ls_tree = [int(x) for x in args.layer_skip_tree.split(",")]
+    specs["specserve_layer_skip_tree"] = {**specs["specserve_layer_skip"], "num_speculative_tokens": len(ls_tree),
+                                          "tree_branching": ls_tree}
     specs.update({m: {"method": "layer_skip", "num_speculative_tokens": args.k, "exit_layer": x}
                   for m, x in exit_modes.items()})
     print(f"loading (dtype {args.dtype}, {args.threads} thread(s)) ...", flush=True)

@@ -22,6 +22,7 @@ from workers.layer_skip.messages import SelfDraftSeq, SelfDraftStep
 from workers.messages import PrefillSeq, SamplingSpec, TargetStep
 from workers.model_config import ModelConfig
 from workers.target_worker import TargetWorker
+from workers.tree_topology import scratch_parents
 from workers.worker_config import WorkerConfig
 
 TARGET = "engine/default_models/target"
@@ -30,10 +31,11 @@ PROMPT = list(range(5, 40))
 TABLE = list(range(1, 10))
 
 
-def _verify_rows(first: int, drafted: list[int]) -> SeqForward:
-    """The verify pass's piece for one sequence: the in-flight token, then the drafted chain (all logits)."""
+def _verify_rows(first: int, drafted: list[int], parents: list[int] | None = None) -> SeqForward:
+    """The verify pass's piece for one sequence: the in-flight token, then the drafted tree (all logits)."""
     n = 1 + len(drafted)
-    return SeqForward(TABLE, len(PROMPT), list(range(-1, n - 1)), [first] + drafted, logit_nodes=list(range(n)))
+    scratch = scratch_parents(1, list(range(-1, n - 2)) if parents is None else parents)
+    return SeqForward(TABLE, len(PROMPT), scratch, [first] + drafted, logit_nodes=list(range(n)))
 
 
 def _prefilled(**kw) -> tuple[TargetWorker, int]:
@@ -55,6 +57,21 @@ def test_verify_after_reuse_is_bit_identical_to_verify_from_scratch(exit_layer: 
     assert torch.equal(mine.runner.cache.kv, plain.runner.cache.kv)
 
 
+@pytest.mark.parametrize("exit_layer", [2, 5])
+def test_verify_of_a_tree_after_reuse_is_bit_identical_to_verify_from_scratch(exit_layer: int) -> None:
+    """A tree (2 children at the first two depths, then chains): every branch's rows of layers < L come from the
+    draft passes, written at the scratch slots the verify uses, each node attending to its own ancestors only."""
+    mine, first = _prefilled(layer_skip_exit_layer=exit_layer)
+    plain, _ = _prefilled()
+    tree = mine.self_draft(SelfDraftStep([SelfDraftSeq(0, TABLE, len(PROMPT), [first], GREEDY, 3, [2, 2, 1])])
+                           ).trees[0]
+    assert tree.parents == [-1, -1, 0, 0, 1, 1, 2, 3, 4, 5]
+    rows = _verify_rows(first, tree.tokens, tree.parents)
+    reused = mine.self_drafter.forward([rows], [0])  # [11, V]
+    assert torch.equal(reused, plain.runner.forward([rows]))
+    assert torch.equal(mine.runner.cache.kv, plain.runner.cache.kv)
+
+
 def stale_lower_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken reuse: every draft pass's layer-0 KV is put back to what its slots held before the pass, so the
     later passes (and the verify's committed rows) read stale layer-0 entries. For negative controls."""
@@ -72,13 +89,15 @@ def stale_lower_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(self_drafter, "run_layers", stale)
 
 
-def test_a_stale_lower_layer_entry_is_caught(monkeypatch) -> None:
-    """Negative control of the test above: the drafted rows' layer-0 entries left stale change the logits."""
+@pytest.mark.parametrize("branching", [[], [2, 2, 1]])
+def test_a_stale_lower_layer_entry_is_caught(monkeypatch, branching: list[int]) -> None:
+    """Negative control of the tests above: the drafted rows' layer-0 entries left stale change the logits."""
     stale_lower_layers(monkeypatch)
     mine, first = _prefilled(layer_skip_exit_layer=4)
     plain, _ = _prefilled()
-    tree = mine.self_draft(SelfDraftStep([SelfDraftSeq(0, TABLE, len(PROMPT), [first], GREEDY, 4)])).trees[0]
-    rows = _verify_rows(first, tree.tokens)
+    tree = mine.self_draft(SelfDraftStep([SelfDraftSeq(0, TABLE, len(PROMPT), [first], GREEDY,
+                                                       len(branching) or 4, branching)])).trees[0]
+    rows = _verify_rows(first, tree.tokens, tree.parents)
     assert not torch.equal(mine.self_drafter.forward([rows], [0]), plain.runner.forward([rows]))
 
 
@@ -97,12 +116,13 @@ def _greedy(spec: dict | None, prompts: list[list[int]], n: int) -> tuple[list[l
         return [o.token_ids for o in outs], llm.engine.stats.as_dict()
 
 
-@pytest.mark.parametrize("exit_layer,k", [(2, 3), pytest.param(6, 5, marks=pytest.mark.slow)])
-def test_greedy_with_layer_skip_equals_no_speculation(exit_layer: int, k: int) -> None:
+@pytest.mark.parametrize("exit_layer,k,branching", [(2, 3, None), (3, 4, [3, 2, 1, 1]),
+                                                    pytest.param(6, 5, None, marks=pytest.mark.slow)])
+def test_greedy_with_layer_skip_equals_no_speculation(exit_layer: int, k: int, branching: list[int] | None) -> None:
     prompts = [[1] + list(range(20, 32)), [1, 17, 44, 9, 83], [1]]
     expected, _ = _greedy(None, prompts, 24)
-    got, stats = _greedy({"method": "layer_skip", "exit_layer": exit_layer, "num_speculative_tokens": k},
-                         prompts, 24)
+    spec = {"method": "layer_skip", "exit_layer": exit_layer, "num_speculative_tokens": k}
+    got, stats = _greedy(spec | ({"tree_branching": branching} if branching else {}), prompts, 24)
     assert got == expected
     assert 0 < stats["accepted_tokens"] < stats["drafted_tokens"], stats  # accepted and rejected both ran
 
@@ -115,8 +135,8 @@ def test_exit_layer_outside_the_model_is_refused_with_the_valid_range() -> None:
             draft_setup(cfg, ModelConfig.from_pretrained(TARGET))
     with pytest.raises(ValueError, match="exit_layer must be an integer >= 1"):
         SpeculativeConfig.parse({"method": "layer_skip", "exit_layer": 0})
-    with pytest.raises(ValueError, match="chains"):
-        SpeculativeConfig.parse({"method": "layer_skip", "exit_layer": 2, "tree_branching": [2, 1]})
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig.parse({"method": "layer_skip", "exit_layer": 2, "num_draft_tokens": 6})
 
 
 def test_an_adapter_for_another_target_is_refused_naming_both(tmp_path) -> None:
@@ -151,7 +171,7 @@ def test_the_built_in_target_drafts_with_its_shipped_adapter() -> None:
     layer = ExitAdapterConfig.from_pretrained(str(shipped)).exit_layer
     cfg = EngineConfig(target=TARGET, speculative=SpeculativeConfig.parse({"method": "layer_skip"}))
     opts = draft_setup(cfg, ModelConfig.from_pretrained(TARGET)).target_options
-    assert opts == {"layer_skip_exit_layer": layer, "layer_skip_adapter": str(shipped)}
+    assert opts == {"layer_skip_exit_layer": layer, "layer_skip_adapter": str(shipped), "tree_sampling": "iid"}
     with pytest.raises(ValueError, match=f"trained on layer {layer}"):
         draft_setup(EngineConfig(target=TARGET, speculative=SpeculativeConfig.parse(
             {"method": "layer_skip", "model": str(shipped), "exit_layer": layer % 7 + 1})),

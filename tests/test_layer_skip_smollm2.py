@@ -48,8 +48,10 @@ def test_smollm2_greedy_with_layer_skip_equals_no_speculation() -> None:
         assert llm.engine.stats.num_accepted > 0
 
 
-def test_smollm2_drafts_with_its_shipped_exit_and_greedy_equals_no_speculation() -> None:
-    """``{"method": "layer_skip"}`` alone on SmolLM2: its shipped exit adapter (L 10, a 5,000-id draft vocabulary)."""
+@pytest.mark.parametrize("branching", [None, [2, 2, 1, 1]])
+def test_smollm2_drafts_with_its_shipped_exit_and_greedy_equals_no_speculation(branching: list[int] | None) -> None:
+    """``{"method": "layer_skip"}`` alone on SmolLM2: its shipped exit adapter (L 10, a 5,000-id draft vocabulary),
+    drafting chains and trees."""
     from engine.core.args import EngineArgs
     from engine.core.draft_setup import draft_setup
     from workers.model_config import ModelConfig
@@ -62,6 +64,7 @@ def test_smollm2_drafts_with_its_shipped_exit_and_greedy_equals_no_speculation()
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with LLM(smol, "none", max_num_seqs=2) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
-    with LLM(smol, {"method": "layer_skip", "num_speculative_tokens": 4}, max_num_seqs=2) as llm:
+    spec = {"method": "layer_skip", "num_speculative_tokens": 4} | ({"tree_branching": branching} if branching else {})
+    with LLM(smol, spec, max_num_seqs=2) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.engine.stats.num_accepted > 0

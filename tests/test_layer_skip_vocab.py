@@ -86,15 +86,15 @@ def test_restricted_draws_with_an_unrestricted_law_recorded_are_caught(small_voc
                                                                        monkeypatch) -> None:
     """The adapter without its vocabulary file records the full softmax; the draws are made from it restricted to
     the even ids (what a restricted exit that forgot to restrict its recorded law would do)."""
-    real = self_drafter.sample
+    real = self_drafter.draw_children
     mask = torch.zeros(SMALL_VOCAB)
     mask[EVEN] = 1.0
 
-    def restricted(probs, gens):
-        p = probs * mask  # [S, V]
-        return real(p / p.sum(-1, keepdim=True), gens)
+    def restricted(q, k, mode, gen):
+        p = q * mask  # [V]
+        return real(p / p.sum(), k, mode, gen)  # the recorded law stays q (i.i.d. children record their parent's)
 
-    monkeypatch.setattr(self_drafter, "sample", restricted)
+    monkeypatch.setattr(self_drafter, "draw_children", restricted)
     plain = vocab_exit.replace("/even", "/plain")
     (tokens,), _ = sample_engine(small_vocab[0], _spec(plain), [(1.0, -1, 1.0)])
     assert min(pair_pvalues(tokens, exact_joint(target_logits, 1.0)).values()) < 1e-6

@@ -55,7 +55,8 @@ def draft_setup(config: EngineConfig, target_config: ModelConfig) -> DraftSetup:
         return DraftSetup(None, None, False)
     if spec.method == LAYER_SKIP:  # no draft worker: the target drafts with its own early layers
         layer, adapter = resolve_exit(spec, config.target, target_config)
-        return DraftSetup(None, None, False, {"layer_skip_exit_layer": layer, "layer_skip_adapter": adapter})
+        return DraftSetup(None, None, False, {"layer_skip_exit_layer": layer, "layer_skip_adapter": adapter,
+                                                   "tree_sampling": spec.tree_sampling})
     dspec = spec.draft_spec  # this config, a draftless method's fallback, or None
     if dspec is None:
         return DraftSetup(None, None, False)

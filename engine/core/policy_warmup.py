@@ -54,7 +54,9 @@ def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, d
     if not spec.is_adaptive:
         return base
     policy = AdaptivePolicy(base)
-    if spec.model is None and spec.fallback is None:  # draftless: proposals cost no draft forward (never measured)
+    if spec.model is None and spec.fallback is None and spec.method != "layer_skip":
+        # draftless: proposals cost the controller, not a draft forward (never measured); layer_skip's drafts are
+        # the target's own passes and a fallback's are a model's, both measured like a draft's
         for costs in (policy.costs, policy.sampled_costs):
             for tokens in (1, 2):
                 costs.draft.observe(tokens, 0.0)

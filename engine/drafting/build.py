@@ -7,6 +7,8 @@ from engine.core.config import SpeculativeConfig
 from engine.core.metrics import SpecDecodingStats, StepTimes
 from engine.drafting.drafter import DraftCalls, Drafter, NoDrafter, SequentialDrafter
 from engine.drafting.draftless import DRAFTLESS_METHODS, draftless_drafter
+from engine.drafting.layer_skip import LayerSkipDrafter
+from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.drafting.pipelined_drafter import PipelinedDrafter
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.scheduler import Scheduler
@@ -22,6 +24,8 @@ def build_drafter(spec: SpeculativeConfig | None, executor, scheduler: Scheduler
         return NoDrafter(), None, None
     draft_tables = scheduler.draft_blocks.tables if scheduler.draft_blocks is not None else {}
     calls = DraftCalls(executor, times, draft_tables)  # draftless: never called
+    if spec.method == LAYER_SKIP:  # the target drafts itself; its passes' times go where a draft worker's would
+        return LayerSkipDrafter(executor, times, scheduler.target_blocks.tables, calls), calls, None
     if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker (layer_skip: the target)
         return draftless_drafter(spec, stats, executor, times, scheduler), calls, None
     if spec.pipeline:

@@ -1,4 +1,4 @@
-"""The ``Drafter`` of self-speculation (method ``layer_skip``): the target's worker drafts each round's chain.
+"""The ``Drafter`` of self-speculation (method ``layer_skip``): the target's worker drafts each round's tree.
 
 Also the choice of exit for a target (``resolve_exit``: the keys' L and adapter, or a packaged target's shipped
 adapter). One self-draft call before each verify call (an ordinary target call, to every rank), ints both ways;
@@ -56,22 +56,27 @@ def resolve_exit(spec: Any, target: str, tcfg: ModelConfig) -> tuple[int, str | 
 
 @dataclass
 class LayerSkipDrafter:
-    """The ``Drafter`` of method layer_skip: the target's worker drafts each scheduled round's chain."""
+    """The ``Drafter`` of method layer_skip: the target's worker drafts each scheduled round's tree (the policy's
+    shape: a chain, or ``tree_branching``)."""
 
     executor: Any  # engine.execution.executor.Executor: its target calls carry the self-draft call too
     times: StepTimes
     tables: Any  # the target's block tables (the scheduler's; read only): drafting writes their scratch slots
+    calls: Any = None  # engine.drafting.drafter.DraftCalls: its ``forward_s`` feeds the adaptive policy's costs
     _out: list[DraftTree] = field(default_factory=list)
 
     def propose(self, batch: ScheduledBatch, gone: list[int]) -> list[DraftTree]:
         msg = SelfDraftStep([SelfDraftSeq(r.seq_id, self.tables[r.seq_id], r.num_cached_target,
-                                          r.all_token_ids[r.num_cached_target:], sampling_spec(r), len(shape))
+                                          r.all_token_ids[r.num_cached_target:], sampling_spec(r), len(shape),
+                                          list(shape))
                              for r, shape in zip(batch.rounds, batch.shapes, strict=True) if shape])
         if not msg.seqs:
             return [NO_TREE] * len(batch.rounds)
         self.executor.submit_target(msg)  # to every target rank, like a verify call
         out = self.executor.wait_target()
         self.times.draft_s += out.elapsed_s
+        if self.calls is not None:
+            self.calls.forward_s = list(out.forward_s)
         trees = {s.seq_id: t for s, t in zip(msg.seqs, out.trees, strict=True)}
         return [trees.get(r.seq_id, NO_TREE) for r in batch.rounds]
 
@@ -79,4 +84,8 @@ class LayerSkipDrafter:
         pass
 
     def commit(self, batch: ScheduledBatch, trees: list[DraftTree], out: TargetStepOutput) -> dict[int, int]:
-        return {}  # no draft KV of its own: the accepted rows' KV is the target's, committed by the verify
+        """No draft KV of its own: the accepted rows' KV is the target's, committed by the verify. The draft's
+        committed length is therefore the target's (what the adaptive policy reads as the tokens the next round's
+        first pass carries: the in-flight ones)."""
+        return {r.seq_id: r.num_tokens + len(res.accepted_nodes)
+                for r, res in zip(batch.rounds, out.results, strict=True)}

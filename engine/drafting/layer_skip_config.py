@@ -1,7 +1,8 @@
 """The keys of method ``layer_skip`` (self-speculation), checked where the speculative config is
 (engine/drafting/layer_skip.py chooses the exit and drafts; workers/layer_skip/ has the design note).
 
-Keys: ``exit_layer`` (L, in 1 .. num_layers - 1), ``num_speculative_tokens`` (K, chains), ``model`` (optional:
+Keys: ``exit_layer`` (L, in 1 .. num_layers - 1), ``num_speculative_tokens`` (K), ``tree_branching`` (optional:
+children per node at each depth; siblings drawn per ``tree_sampling``), ``model`` (optional:
 an exit adapter directory, training/exit_adapter.py). Without ``model`` the exit is the target's own final norm
 and head (for checkpoints trained for early exit); without either, a packaged target's shipped adapter and its L.
 """
@@ -25,13 +26,8 @@ def check_layer_skip(spec: Any) -> None:
     if spec.pipeline:
         raise ValueError("speculative_config.pipeline: method 'layer_skip' drafts on the target itself, which "
                          "cannot verify and draft at once (set pipeline false)")
-    if spec.adaptive is None:
+    if spec.adaptive is None:  # opt-in: the policy prices the target's own passes once it has measured them
         spec.adaptive = False
-    if spec.adaptive:
-        raise ValueError("speculative_config.adaptive is not supported with method 'layer_skip' yet: it runs "
-                         "num_speculative_tokens")
-    if spec.tree_branching is not None and any(b != 1 for b in spec.tree_branching):
-        raise ValueError("speculative_config.tree_branching: method 'layer_skip' drafts chains in this version")
     if spec.num_draft_tokens is not None or spec.draft_tensor_parallel_size != 1 or spec.draft_process:
         raise ValueError("speculative_config: num_draft_tokens, draft_tensor_parallel_size and draft_process are "
                          "not keys of method 'layer_skip' (the target drafts itself)")

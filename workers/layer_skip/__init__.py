@@ -2,9 +2,12 @@
 
 Where it runs. The early layers are the target's own weights, so drafting runs on the target's worker, in the
 target's own paged KV cache, at the very scratch slots the verify pass will use (workers/input_batch.py): a round
-of K drafts is K + 1 forwards of layers ``0..L-1`` over the sequence's in-flight tokens and then one drafted token
-at a time (the exit, workers/layer_skip/exit.py, reads layer L's hidden state of the last row and proposes the
-next token; the last forward only computes the K-th draft's early layers). Each row's layer-L hidden state is kept
+of K drafts is K + 1 forwards of layers ``0..L-1`` over the sequence's in-flight tokens and then one depth of the
+drafted tree at a time (the exit, workers/layer_skip/exit.py, reads layer L's hidden state of each node of the last
+depth and proposes its children: the top tokens for greedy requests, else drawn per ``tree_sampling`` with each
+child's law recorded; a chain is the tree of one child per node; the last forward only computes the deepest
+drafts' early layers). A node's rows attend to the committed prefix and its own ancestors only, so every branch's
+lower-layer KV is what the verify would write at that slot. Each row's layer-L hidden state is kept
 in a pad on the worker (``SelfDrafter``), and its KV for layers < L is already in the cache.
 
 Verification then starts those rows at layer L: the pad's hidden states go through layers ``L..N-1`` with the same

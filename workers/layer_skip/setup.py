@@ -24,4 +24,5 @@ def build_self_drafter(worker: Any) -> SelfDrafter | None:
             raise ValueError(f"exit adapter {cfg.layer_skip_adapter!r} reads layer {c.exit_layer}, "
                              f"not exit_layer {cfg.layer_skip_exit_layer}")
     return SelfDrafter(worker.runner, cfg.layer_skip_exit_layer, ExitHead(worker.model, adapter, vocab),
-                       cfg.draft_seed_salt, worker.law_store.put if worker.tp.is_first else None, worker.tp)
+                       cfg.draft_seed_salt, worker.law_store.put if worker.tp.is_first else None, worker.tp,
+                       cfg.tree_sampling)
