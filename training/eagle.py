@@ -281,7 +281,7 @@ of `"method": "eagle3"` on this target) or `"model": "<this directory>"`.
 - **Run**: {steps} steps in {seconds} s on a shared 2-core CPU (1 thread); final loss {loss}, train top-1 agreement
   {top1}, held-out top-1 agreement {heldout_top1}.
 - **Held-out acceptance** (engine, greedy, K = 4, mean acceptance length incl. the bonus token): {acceptance}.
-"""
+{notes}"""
 
 
 def write_card(out: str, target_name: str, target: str, stats: dict, acceptance: dict, data: str,
@@ -292,7 +292,12 @@ def write_card(out: str, target_name: str, target: str, stats: dict, acceptance:
                        command=command, steps=stats["steps"], seconds=stats["train_seconds"],
                        loss=stats["final_loss"], top1=stats["train_top1"],
                        heldout_top1=round(stats.get("heldout_top1", float("nan")), 3),
-                       acceptance=", ".join(f"{k} {v}" for k, v in acceptance.items()) or "not measured")
+                       acceptance=", ".join(f"{k} {v}" for k, v in acceptance.items()) or "not measured",
+                       notes="" if "heldout_top1_per_step" not in stats else (
+                           f"- **From the cache** (training/eagle_distill.py): loss on answer positions only, "
+                           f"labels the target's top-32 laws; held-out teacher-forced top-1 per training-time-test "
+                           f"step {stats['heldout_top1_per_step']} ({stats['heldout_sequences']} held-out answers), "
+                           f"history {[(h['step'], h['heldout_top1'][0]) for h in stats['history']]}.\n"))
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(text)
 
