@@ -2,10 +2,12 @@
 
     # the built-in target (a few minutes on one core; what engine/default_models/target-eagle3 was made with)
     OMP_NUM_THREADS=1 python -m training.eagle --target builtin --out engine/default_models/target-eagle3 --minutes 12
-    # SmolLM2 (CPU hours: the lead runs it), after `python -m training.smollm2_draft gen --work runs/smollm2_draft`
-    # wrote the target's answers (WORK/gen.jsonl) and held-out prompts; local text is read as that stage reads it
-    OMP_NUM_THREADS=2 python -m training.eagle --target smollm2 --work runs/smollm2_draft --docs 4000 \\
-        --out engine/default_models/smollm2-eagle3 --draft-vocab 4096 --save-dtype float16 --minutes 240 --seq-len 256
+    # SmolLM2, after `python -m training.smollm2_draft gen --work runs/smollm2_draft` wrote the target's answers
+    # (WORK/gen.jsonl) and held-out prompts: the target's features and laws are cached once (--cache; local text
+    # read as that stage reads it), then the head trains from the cache (what smollm2-eagle3 was made with)
+    OMP_NUM_THREADS=1 python -m training.eagle --target smollm2 --work runs/smollm2_draft --cache WORK/cache \\
+        --docs 2000 --max-text 800 --out engine/default_models/smollm2-eagle3 --draft-vocab 4096 --save-dtype float16 \\
+        --minutes 48 --batch 8 --seq-len 256 --bf16 --lr 2e-3
     python -m training.eagle --quick --out /tmp/eagle-quick        # seconds: a smoke run, the weights are useless
 
 Data: sequences of the target's own answers (greedy and T = 0.8; its own continuations of corpus prefixes for the
