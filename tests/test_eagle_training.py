@@ -50,3 +50,47 @@ def test_builtin_quick_cli(tmp_path) -> None:
     """The documented smoke command (reads the stdlib corpus and runs the built-in target: tens of seconds)."""
     main(["--quick", "--out", str(tmp_path / "head")])
     assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
+def test_cached_run_writes_a_head_and_extends_its_cache(llama, tmp_path) -> None:
+    """--cache: the target's features and laws are computed once (a second run adds only new answers)."""
+    from training.eagle_cache import read_cache
+
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    _gen_jsonl(work, 4)
+    args = ["--quick", "--target", llama.target, "--work", str(work), "--out", str(tmp_path / "head"),
+            "--draft-vocab", "64", "--cache", str(cache)]
+    main(args)
+    assert len(read_cache(cache, ["gen"])["gen"]) == 4
+    _gen_jsonl(work, 7)
+    main(args)
+    seqs = read_cache(cache, ["gen"])["gen"]
+    assert sorted(s.index for s in seqs) == list(range(7)) and seqs[0].aux.shape[-1] == 3 * 64
+    head = load_head(str(tmp_path / "head"), llama.target, ModelConfig.from_pretrained(llama.target))
+    assert head.head_config.draft_vocab_size == 64
+
+
+def test_training_time_test_attends_as_drafting_does() -> None:
+    """Step s, row j (depth s + 1 drafted from row j - s) sees step 0's keys up to row j - s, then one key of each
+    later step on its own path: rows j - s + 1 .. j. Step 0 is plain causal attention."""
+    import math
+
+    import torch
+
+    from training.eagle_distill import TTTContext
+    from workers.attention import DenseCausalContext
+
+    torch.manual_seed(0)
+    lens, hq, hkv, d = [5, 7], 6, 2, 4
+    q, k, v = ([torch.randn(12, h, d) for _ in range(3)] for h in (hq, hkv, hkv))
+    ctx = TTTContext(lens)
+    out = [ctx.attend(0, q[s], k[s], v[s]) for s in range(3)]
+    assert torch.allclose(out[0], DenseCausalContext(lens).attend(0, q[0], k[0], v[0]), atol=1e-6)
+    for s in (1, 2):
+        for off, n in ((0, 5), (5, 7)):
+            for j in range(s, n):
+                rows = [(0, i) for i in range(j - s + 1)] + [(t, j - s + t) for t in range(1, s + 1)]
+                keys = torch.stack([k[t][off + i] for t, i in rows]).repeat_interleave(hq // hkv, 1)  # [L, Hq, D]
+                vals = torch.stack([v[t][off + i] for t, i in rows]).repeat_interleave(hq // hkv, 1)
+                p = (torch.einsum("hd,lhd->hl", q[s][off + j], keys) / math.sqrt(d)).softmax(-1)
+                assert torch.allclose(out[s][off + j], torch.einsum("hl,lhd->hd", p, vals), atol=1e-5), (s, j)

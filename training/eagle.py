@@ -2,10 +2,12 @@
 
     # the built-in target (a few minutes on one core; what engine/default_models/target-eagle3 was made with)
     OMP_NUM_THREADS=1 python -m training.eagle --target builtin --out engine/default_models/target-eagle3 --minutes 12
-    # SmolLM2 (CPU hours: the lead runs it), after `python -m training.smollm2_draft gen --work runs/smollm2_draft`
-    # wrote the target's answers (WORK/gen.jsonl) and held-out prompts; local text is read as that stage reads it
-    OMP_NUM_THREADS=2 python -m training.eagle --target smollm2 --work runs/smollm2_draft --docs 4000 \\
-        --out engine/default_models/smollm2-eagle3 --draft-vocab 4096 --save-dtype float16 --minutes 240 --seq-len 256
+    # SmolLM2, after `python -m training.smollm2_draft gen --work runs/smollm2_draft` wrote the target's answers
+    # (WORK/gen.jsonl) and held-out prompts: the target's features and laws are cached once (--cache; local text
+    # read as that stage reads it), then the head trains from the cache (what smollm2-eagle3 was made with)
+    OMP_NUM_THREADS=1 python -m training.eagle --target smollm2 --work runs/smollm2_draft --cache WORK/cache \\
+        --docs 2000 --max-text 800 --out engine/default_models/smollm2-eagle3 --draft-vocab 4096 --save-dtype float16 \\
+        --minutes 48 --batch 8 --seq-len 256 --bf16 --lr 2e-3
     python -m training.eagle --quick --out /tmp/eagle-quick        # seconds: a smoke run, the weights are useless
 
 Data: sequences of the target's own answers (greedy and T = 0.8; its own continuations of corpus prefixes for the
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from training.eagle_distill import DistillConfig
 from training.eagle_layout import head_config_dict, save_head
 from workers.attention import DenseCausalContext
 from workers.eagle.head import EagleHead
@@ -160,6 +163,57 @@ def train_head(target_path: str, seqs: list[list[int]], out: str, cfg: EagleTrai
     return stats
 
 
+def train_cached(target_path: str, cache: Path, out: str, cfg: DistillConfig, draft_vocab: int | None,
+                 save_dtype: torch.dtype = torch.float32, log=print) -> dict:
+    """Train a head from the feature cache (training/eagle_cache.py) and write it to ``out``; every 25th cached
+    answer (by instruction number) is held out for the teacher-forced agreement the run reports."""
+    from training.eagle_cache import cache_meta, read_cache
+    from training.eagle_distill import distill
+
+    data = read_cache(cache, ["gen", "text"])
+    held = [s for s in data["gen"] if s.index % 25 == 0]
+    gen = [s for s in data["gen"] if s.index % 25 != 0]
+    if not gen and not data["text"]:
+        raise ValueError(f"{cache} holds no cached sequences: build it first (--cache with --work)")
+    tcfg = ModelConfig.from_pretrained(target_path)
+    target = load_model(target_path, dtype=torch.float32, quantization="none")
+    answers = [s.ids[s.answer_start:] for s in gen] + [s.ids[s.answer_start:] for s in data["text"][: len(gen) // 5]]
+    draft_ids = (sorted(torch.bincount(torch.cat(answers), minlength=tcfg.vocab_size)
+                        .topk(min(draft_vocab, tcfg.vocab_size)).indices.tolist()) if draft_vocab else None)
+    head, config = init_head(target_path, tcfg, target, draft_ids, cfg.seed)
+    del target
+    aux = EagleHeadConfig.from_dict(config).aux_layers(tcfg.num_layers)
+    if tuple(cache_meta(cache)["aux_layers"]) != tuple(aux):
+        raise ValueError(f"{cache} holds layers {cache_meta(cache)['aux_layers']}, the head reads {list(aux)}")
+    ids = torch.tensor(draft_ids) if draft_ids else None
+    log(f"eagle: {len(gen)} answers ({sum(len(s.ids) for s in gen)} positions), {len(data['text'])} text "
+        f"sequences ({sum(len(s.ids) for s in data['text'])}), {len(held)} held out")
+    stats = distill(head, gen, data["text"], held, cfg, lambda: save_head(out, config, head, ids, save_dtype),
+                    log=log)
+    stats.update(answers=len(gen), text_sequences=len(data["text"]), heldout_sequences=len(held),
+                 positions=sum(len(s.ids) for s in gen + data["text"]), config=asdict(cfg))
+    save_head(out, config, head, ids, save_dtype)
+    with open(os.path.join(out, "train_stats.json"), "w") as f:
+        json.dump(stats, f, indent=1)
+    return stats
+
+
+def build_chat_cache(target: str, work: str, cache: Path, docs: int, max_text: int | None, minutes: float,
+                     seq_len: int) -> None:
+    """Cache the features and laws of the target's answers (WORK/gen.jsonl) and of ``docs`` local documents."""
+    from training.eagle_cache import build_cache
+    from training.smollm2_draft import _read_gen, _text_rows
+    from workers.loader import load_tokenizer
+
+    aux = EagleHeadConfig.from_dict(head_config_dict(ModelConfig.from_pretrained(target))).aux_layers(
+        ModelConfig.from_pretrained(target).num_layers)
+    rows = [{"index": i, **r} for i, r in enumerate(_read_gen(Path(work)))]  # gen writes "index"; others may not
+    print(json.dumps(build_cache(target, rows, cache, "gen", aux, minutes=minutes)), flush=True)
+    if docs > 0:
+        rows = _text_rows(load_tokenizer(target), docs, seq_len, None, Path(work))[:max_text]
+        print(json.dumps(build_cache(target, rows, cache, "text", aux, minutes=minutes)), flush=True)
+
+
 def builtin_sequences(target_path: str, n_windows: int, seq_len: int, n_gen: int, gen_tokens: int,
                       seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """Stdlib corpus windows (training/data.py's split) and the target's own continuations of train-split
@@ -229,7 +283,7 @@ of `"method": "eagle3"` on this target) or `"model": "<this directory>"`.
 - **Run**: {steps} steps in {seconds} s on a shared 2-core CPU (1 thread); final loss {loss}, train top-1 agreement
   {top1}, held-out top-1 agreement {heldout_top1}.
 - **Held-out acceptance** (engine, greedy, K = 4, mean acceptance length incl. the bonus token): {acceptance}.
-"""
+{notes}"""
 
 
 def write_card(out: str, target_name: str, target: str, stats: dict, acceptance: dict, data: str,
@@ -240,7 +294,12 @@ def write_card(out: str, target_name: str, target: str, stats: dict, acceptance:
                        command=command, steps=stats["steps"], seconds=stats["train_seconds"],
                        loss=stats["final_loss"], top1=stats["train_top1"],
                        heldout_top1=round(stats.get("heldout_top1", float("nan")), 3),
-                       acceptance=", ".join(f"{k} {v}" for k, v in acceptance.items()) or "not measured")
+                       acceptance=", ".join(f"{k} {v}" for k, v in acceptance.items()) or "not measured",
+                       notes="" if "heldout_top1_per_step" not in stats else (
+                           f"- **From the cache** (training/eagle_distill.py): loss on answer positions only, "
+                           f"labels the target's top-32 laws; held-out teacher-forced top-1 per training-time-test "
+                           f"step {stats['heldout_top1_per_step']} ({stats['heldout_sequences']} held-out answers), "
+                           f"history {[(h['step'], h['heldout_top1'][0]) for h in stats['history']]}.\n"))
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(text)
 
@@ -263,6 +322,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=0, help="chat targets: local documents read as answers")
     ap.add_argument("--save-dtype", default="float32", help="stored weights (float16 halves a SmolLM2 head)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of seconds (useless weights)")
+    ap.add_argument("--cache", default=None, help="chat targets: train from the features and laws cached here "
+                    "(built or extended first from WORK/gen.jsonl and --docs; training/eagle_cache.py)")
+    ap.add_argument("--cache-only", action="store_true", help="build / extend --cache, then stop")
+    ap.add_argument("--cache-minutes", type=float, default=60.0, help="time bound of each source's caching")
+    ap.add_argument("--max-text", type=int, default=None, help="--cache: at most this many local documents")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--text-frac", type=float, default=DistillConfig.text_frac, help="--cache: local-text share")
+    ap.add_argument("--bf16", action="store_true", help="--cache: bf16 autocast for the head's matmuls")
     a = ap.parse_args(argv)
     cfg = EagleTrainConfig(minutes=a.minutes, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
                            draft_vocab=a.draft_vocab)
@@ -278,16 +345,33 @@ def main(argv: list[str] | None = None) -> None:
         from workers.gguf_loader import resolve_model_path
 
         target = resolve_model_path(a.target)
-        seqs, held = chat_sequences(target, a.work, 0 if a.quick else a.docs, cfg.seq_len), None
+        if a.cache:
+            build_chat_cache(target, a.work, Path(a.cache), 0 if a.quick else a.docs, a.max_text,
+                             a.cache_minutes, 256 if a.quick else a.seq_len)
+            if a.cache_only:
+                return
+        else:
+            seqs, held = chat_sequences(target, a.work, 0 if a.quick else a.docs, cfg.seq_len), None
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    stats = train_head(target, seqs, a.out, cfg, held, save_dtype=getattr(torch, a.save_dtype))
+    if a.cache and a.target != "builtin":
+        dcfg = DistillConfig(minutes=cfg.minutes, tokens=cfg.batch * cfg.seq_len, lr=a.lr or DistillConfig.lr,
+                             text_frac=a.text_frac, bf16=a.bf16, eval_every_s=20 if a.quick else 300,
+                             warmup_steps=1 if a.quick else DistillConfig.warmup_steps)
+        if a.quick:
+            dcfg.minutes = 0.05
+        stats = train_cached(target, Path(a.cache), a.out, dcfg, a.draft_vocab, getattr(torch, a.save_dtype))
+    else:
+        stats = train_head(target, seqs, a.out, cfg, held, save_dtype=getattr(torch, a.save_dtype))
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}))
     prompts = heldout_prompts(a.target, a.work)
     acceptance = {} if a.quick or not prompts else heldout_acceptance(target, a.out, prompts[:16])
     print(json.dumps(acceptance))
     data = (f"{a.windows} stdlib windows (training/data.py's train split) and {a.gen} of the target's own "
             f"continuations of train-split prefixes (half greedy, half T = 0.8)" if a.target == "builtin" else
-            f"the target's own answers in {a.work}/gen.jsonl (training.smollm2_draft gen)")
+            f"the target's own answers in {a.work}/gen.jsonl (training.smollm2_draft gen)" + (
+                f" ({stats.get('answers')} answers; {stats.get('text_sequences')} local documents as chat "
+                f"turns; {stats.get('positions')} positions; features and top-{32} laws cached in {a.cache})"
+                if a.cache else ""))
     write_card(a.out, a.target, target, stats, acceptance, data, "python -m training.eagle " + " ".join(argv or []))
 
 
