@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         args.target, args.draft = args.target or t, args.draft or d
     from workers.gguf_loader import resolve_model_path
 
+    args.target_name = args.target if args.target == "smollm2" else "builtin"  # whose shipped EAGLE head
     args.target, args.draft = resolve_model_path(args.target), resolve_model_path(args.draft)
     from workers.loader import load_tokenizer
     from workers.model_config import ModelConfig
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
              **{f"{FIXED_K_MODE}{k}": {**chain, "num_speculative_tokens": k} for k in fixed_ks},
              **draftless_specs(args, chain)}
     if any(m in EAGLE_MODES for m in modes):  # beside the separate draft at the same K and verify budget
-        head = args.eagle_head or shipped_head("builtin")
+        head = args.eagle_head or shipped_head(getattr(args, "target_name", "builtin"))
         specs["specserve_eagle"] = {"method": "eagle3", "model": head, "num_speculative_tokens": args.k,
                                     "adaptive": False}
         specs["specserve_eagle_tree"] = {**specs["specserve_eagle"], "num_draft_tokens": args.eagle_nodes}
