@@ -127,9 +127,27 @@ def available() -> bool:
 def block_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str = "auto",
                  activations: str = "f32") -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32, W = ``blocks`` [N, K / 32 * block bytes] uint8 of ``qtype``;
-    ``activations`` "q8": x quantized per row and 32-block to 8 bits first (gguf_q8.cpp), integer dot products."""
-    op = torch.ops.specserve_gguf.mm_q8 if activations == "q8" else torch.ops.specserve_gguf.mm
-    return op(x, blocks, qtype, -1 if isa == "auto" else ISA[isa])
+    ``activations`` "q8": x quantized per row and 32-block to 8 bits (packs the blocks first: tests, one-offs)."""
+    if activations == "q8":
+        return block_matmul_q8(x, pack_q8(blocks, qtype), qtype, blocks.shape[0], isa)
+    return torch.ops.specserve_gguf.mm(x, blocks, qtype, -1 if isa == "auto" else ISA[isa])
+
+
+def pack_q8(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """File blocks [N, bytes] -> the "q8" kernel's layout [ceil(N / 16), K / 32, bytes] uint8 (gguf_q8.cpp)."""
+    return torch.ops.specserve_gguf.pack_q8(blocks, qtype)
+
+
+def block_matmul_q8(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int, isa: str = "auto") -> torch.Tensor:
+    """x [M, K] float32, quantized per row and 32-block to 8 bits, @ W^T -> [M, n] float32 (W packed by pack_q8)."""
+    if isa == "auto":
+        isa = "avx512vnni" if best_isa() == "avx512vnni" else "scalar"
+    return torch.ops.specserve_gguf.mm_q8(x, packed, qtype, n, ISA[isa])
+
+
+def q8_isas() -> list[str]:
+    """The paths the "q8" activations run on here (the scalar one everywhere; it defines the bits)."""
+    return ["scalar", "avx512vnni"] if best_isa() == "avx512vnni" else ["scalar"]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,8 +202,9 @@ def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:
 def self_check() -> None:
     """The checks the subprocess runs before the engine loads the library (raises AssertionError)."""
     g = torch.Generator().manual_seed(1)
-    isas = [i for i in ("scalar", "avx2", "avx512", "avx512vnni") if ISA[i] <= ISA[best_isa()]]
+    f32_isas = [i for i in ("scalar", "avx2", "avx512") if ISA[i] <= ISA[best_isa()]]
     for (name, qtype), acts in ((f, a) for f in QTYPES.items() for a in ACTIVATIONS):
+        isas = q8_isas() if acts == "q8" else f32_isas
         blocks = random_blocks(43, 96, qtype)  # N = 43: passes of 4 and 2 weight rows and a lone one
         w = dequantize_reference(blocks, qtype)  # [43, 96]
         assert torch.equal(block_rows(blocks, torch.arange(43), qtype), w), f"{name}: dequantization"
