@@ -24,7 +24,8 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
         --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
 
-``--profile --compare-native``: the 4-bit target with the native GGUF kernel against torch's path, alternating.
+``--profile --compare-native``: the 4-bit target with torch's path and the native GGUF kernel with float32 and 8-bit
+activations, alternating (each row count also as a ratio to the first, e.g. ``--profile-rows 1,4,5,8``).
 (``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
 that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 """
@@ -77,29 +78,34 @@ def gguf_weight_bytes(path: str, packed: bool, native: bool = False) -> int:
 
 
 @contextlib.contextmanager
-def native_kernel(on: bool) -> Iterator[None]:
-    """Models loaded inside use the native GGUF kernel (where it builds) or, ``on`` False, torch's path."""
+def native_kernel(on: bool, activations: str | None = None) -> Iterator[None]:
+    """Models loaded inside use the native GGUF kernel (where it builds; with ``activations`` "f32" / "q8" when
+    given, else KernelConfig's) or, ``on`` False, torch's path."""
     from workers.kernels import gguf_blocks
 
-    saved = os.environ.get("SPECSERVE_GGUF_KERNEL")
+    saved = {k: os.environ.get(k) for k in ("SPECSERVE_GGUF_KERNEL", "SPECSERVE_GGUF_ACTIVATIONS")}
     os.environ["SPECSERVE_GGUF_KERNEL"] = "1" if on else "0"
+    if activations:
+        os.environ["SPECSERVE_GGUF_ACTIVATIONS"] = activations
     gguf_blocks.available.cache_clear()
     try:
         yield
     finally:
-        os.environ.pop("SPECSERVE_GGUF_KERNEL")
-        if saved is not None:
-            os.environ["SPECSERVE_GGUF_KERNEL"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
         gguf_blocks.available.cache_clear()
 
 
-def specserve_runner(path: str, quantization: str, prompt: list[int], n: int,
-                     native: bool = True) -> tuple[Callable[[], int], int]:
-    """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head)."""
+def specserve_runner(path: str, quantization: str, prompt: list[int], n: int, native: bool = True,
+                     activations: str | None = None) -> tuple[Callable[[], int], int]:
+    """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head);
+    ``activations``: the native kernel's ("f32" / "q8"; None: KernelConfig's)."""
     from engine import LLM, SamplingParams
     from workers.kernels import gguf_blocks
 
-    with native_kernel(native):
+    with native_kernel(native, activations):
         llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
         used = quantization == "gguf" and gguf_blocks.available()
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -258,27 +264,31 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
 
 
 def compare_native(path: str, rows_list: list[int], steps: int, repeats: int, cpu_time: bool = False) -> None:
-    """ms per forward of the 4-bit target with the native GGUF kernel and with torch's path (int4 kernel, float32
-    head), both loaded in this process and alternated ``repeats`` times; medians."""
+    """ms per forward of the 4-bit target with torch's path (int4 kernel, float32 head) and the native GGUF kernel
+    with float32 and with 8-bit activations, all loaded in this process and alternated ``repeats`` times; medians."""
     import statistics
 
+    variants = {"torch": (False, None), "native f32": (True, "f32"), "native q8": (True, "q8")}
     runs = {}
-    for native in (False, True):
-        with native_kernel(native):
-            runs[native] = _prompted_runner(path, "gguf")
+    for name, (native, acts) in variants.items():
+        with native_kernel(native, acts):
+            runs[name] = _prompted_runner(path, "gguf")
     clock = time.process_time if cpu_time else time.perf_counter
-    ms: dict[tuple[bool, int], list[float]] = {}
+    ms: dict[tuple[str, int], list[float]] = {}
     for _ in range(repeats):
-        for native, (_, runner, table, prompt) in runs.items():
+        for name, (_, runner, table, prompt) in runs.items():
             for rows in rows_list:
-                ms.setdefault((native, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps,
-                                                                    clock))
+                ms.setdefault((name, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps,
+                                                                  clock))
+    used = {name: runs[name][0].quant_report.activations if runs[name][0].quant_report.native else "-" for name in runs}
     print(f"{'CPU' if cpu_time else 'wall'} ms per forward (rows of one verify chain), medians of {repeats} "
-          f"alternating runs; native kernel in use: {runs[True][0].quant_report.native}")
-    print(f"{'rows':>5} {'torch':>8} {'native':>8} {'ratio':>6}")
+          f"alternating runs; activations in use: {used}")
+    print(f"{'rows':>5}" + "".join(f"{name:>12}" for name in runs)
+          + "".join(f"{name + ' / 1 row':>18}" for name in runs))
+    med = {key: statistics.median(v) for key, v in ms.items()}
     for rows in rows_list:
-        a, b = (statistics.median(ms[(native, rows)]) for native in (False, True))
-        print(f"{rows:>5} {a:>8.2f} {b:>8.2f} {b / a:>6.2f}")
+        print(f"{rows:>5}" + "".join(f"{med[(name, rows)]:>12.2f}" for name in runs)
+              + "".join(f"{med[(name, rows)] / med[(name, rows_list[0])]:>18.2f}" for name in runs))
 
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
@@ -308,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp n_threads, comma-separated: one llama_cpp row per value")
     ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
                     help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python; "
-                         "specserve_q4_torch: the 4-bit target without the native kernel")
+                         "specserve_q4_torch: the 4-bit target without the native kernel; "
+                         "specserve_q4_f32 / _q8: with it, float32 / 8-bit activations")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
@@ -358,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode == "specserve_q4_torch":  # the native kernel switched off: torch's int4 path, float32 head
             runners[mode] = specserve_runner(path, "gguf", prompt, n, native=False)
+        elif mode in ("specserve_q4_f32", "specserve_q4_q8"):  # the native kernel with these activations
+            runners[mode] = specserve_runner(path, "gguf", prompt, n, activations=mode.rpartition("_")[2])
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
         elif mode in ("llama_cpp", "llamacpp"):

@@ -38,7 +38,8 @@ HEADER = SOURCE.with_name("gguf_blocks.h")  # what both share
 ACTIVATIONS = ("f32", "q8")  # KernelConfig.gguf_activations
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, as the kernel takes them
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per 32-weight block
-ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "skewed": 99}  # "skewed": the M-dependent test-only variant
+# "skewed": the M-dependent test-only variant; "avx512vnni": the "q8" path (the float32 path runs its AVX-512 code)
+ISA = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "skewed": 99}
 BUILD_TIMEOUT_S = 300  # one g++ run (~20-40 s on a loaded 2-core machine)
 CHECK_TIMEOUT_S = 120  # the subprocess check, torch's import included
 _FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-w"]
@@ -56,7 +57,8 @@ def _compiler() -> str | None:
 
 def _library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, HEADER]) + torch.__version__.encode() + version.encode()
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    key = hashlib.sha256(sources + torch.__version__.encode() + version.encode()
                          + " ".join(_FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / f"gguf_blocks-{key}.so"
 
@@ -76,7 +78,8 @@ def build() -> Path:
     libdirs = library_paths()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()), *map(str, SOURCES),
+        cmd = [cxx, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in include_paths()),
+               *map(str, SOURCES),
                "-o", str(out), *(f"-L{p}" for p in libdirs), *(f"-Wl,-rpath,{p}" for p in libdirs),
                "-lc10", "-ltorch_cpu"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)

@@ -50,8 +50,16 @@ class KernelConfig:
     # GGUF block weights (Q4_0 / Q4_1 / Q8_0) through the native row-invariant kernel (workers/kernels/
     # gguf_blocks.py) when it builds here; False: torch's int4 kernel (bfloat16 activations) and a float32 head.
     gguf_native: bool = True
+    # The native kernel's activations: "q8" quantizes them per row and 32-block to 8 bits and takes integer dot
+    # products against the blocks, as llama.cpp computes these formats (~3x cheaper a row on AVX-512 VNNI: a
+    # 5-row verify near the price of one step; another model than "f32": greedy text can differ after a few dozen
+    # tokens); "f32": float32 activations (exact products, one FMA a weight a row). "q8" needs AVX-512 VNNI,
+    # else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides.
+    gguf_activations: str = "q8"
 
     def __post_init__(self) -> None:
+        if self.gguf_activations not in ("f32", "q8"):
+            raise ValueError(f"gguf_activations must be 'f32' or 'q8', got {self.gguf_activations!r}")
         if self.gemm_rows < 1 or self.head_gemv_bytes < 0 or self.max_rows % self.gemm_rows:
             raise ValueError(f"gemm_rows must be >= 1, head_gemv_bytes >= 0 and max_rows a multiple of gemm_rows, "
                              f"got {self.gemm_rows}, {self.head_gemv_bytes}, {self.max_rows}")
