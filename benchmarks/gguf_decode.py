@@ -153,7 +153,8 @@ def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tupl
 # torch op -> what it is, for the profile's classes (anything else: "elementwise, norms, RoPE")
 OP_CLASSES = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
-    "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::rows": "copies, casts, gathers",
+    "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::mm_q8": "block matmuls (native)",
+    "specserve_gguf::rows": "copies, casts, gathers",
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",

@@ -173,6 +173,7 @@ def block_rows(blocks: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Ten
     return torch.ops.specserve_gguf.rows(blocks, ids, qtype)
 
 
+@functools.lru_cache(maxsize=1)
 def best_isa() -> str:
     return {v: k for k, v in ISA.items()}[torch.ops.specserve_gguf.best_isa()]
 

@@ -51,11 +51,11 @@ class KernelConfig:
     # gguf_blocks.py) when it builds here; False: torch's int4 kernel (bfloat16 activations) and a float32 head.
     gguf_native: bool = True
     # The native kernel's activations: "q8" quantizes them per row and 32-block to 8 bits and takes integer dot
-    # products against the blocks, as llama.cpp computes these formats (~3x cheaper a row on AVX-512 VNNI: a
-    # 5-row verify near the price of one step; another model than "f32": greedy text can differ after a few dozen
-    # tokens); "f32": float32 activations (exact products, one FMA a weight a row). "q8" needs AVX-512 VNNI,
-    # else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides.
-    gguf_activations: str = "q8"
+    # products against the blocks, as llama.cpp computes these formats (on AVX-512 VNNI a 4-bit step costs ~0.6x
+    # and a 5-row verify ~0.55x "f32"'s, but it is another model: greedy text drifts from "f32"'s after some
+    # tokens); "f32": float32 activations, exact products (docs/performance.md, "Verify cost"). "q8" needs AVX-512
+    # VNNI, else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides.
+    gguf_activations: str = "f32"
 
     def __post_init__(self) -> None:
         if self.gguf_activations not in ("f32", "q8"):
