@@ -285,11 +285,11 @@ def compare_native(path: str, rows_list: list[int], steps: int, repeats: int, cp
     print(f"{'CPU' if cpu_time else 'wall'} ms per forward (rows of one verify chain), medians of {repeats} "
           f"alternating runs; activations in use: {used}")
     print(f"{'rows':>5}" + "".join(f"{name:>12}" for name in runs)
-          + "".join(f"{name + ' / 1 row':>18}" for name in runs))
+          + "".join(f" {name + ' / 1st':>15}" for name in runs))
     med = {key: statistics.median(v) for key, v in ms.items()}
     for rows in rows_list:
         print(f"{rows:>5}" + "".join(f"{med[(name, rows)]:>12.2f}" for name in runs)
-              + "".join(f"{med[(name, rows)] / med[(name, rows_list[0])]:>18.2f}" for name in runs))
+              + "".join(f" {med[(name, rows)] / med[(name, rows_list[0])]:>15.2f}" for name in runs))
 
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
