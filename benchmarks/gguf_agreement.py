@@ -5,7 +5,8 @@ greedy text of both from the same chat prompts, and the number of tokens until t
 
 The prompts below were written for this check (no engine test, drafter or benchmark trains or tunes on them).
 "q8" is another model than "f32" (each activation is rounded to one of 255 levels per 32-block), so greedy text
-agrees until a near-tie between the two best tokens flips, then goes its own way.
+agrees until a near-tie between the two best tokens flips, then goes its own way. ``--pair f32,torch`` gives the
+same figure for the float32 model against torch's int4 path (bfloat16 activations), the model shipped before.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ def greedy(path: str, activations: str, n: int) -> list[list[int]]:
     tok = load_tokenizer(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for p in PROMPTS]
-    with native_kernel(True, activations):
+    native = activations != "torch"  # "torch": the native kernel off (torch's int4 path, bfloat16 activations)
+    with native_kernel(native, activations if native else None):
         llm = LLM(path, None, quantization="gguf", num_kv_tokens=2048, max_num_seqs=1)
-        used = llm_activations(llm)
+        used = llm_activations(llm) if native else "torch"
     if used != activations:
         raise SystemExit(f"asked for {activations!r} activations, the model runs {used!r}")
     params = SamplingParams(max_tokens=n, temperature=0.0)
@@ -64,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gguf_agreement", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--pair", default="f32,q8", help="two of f32, q8, torch (the native kernel off): a baseline")
     args = ap.parse_args(argv)
     path = resolve_model_path(args.target)
-    f32, q8 = greedy(path, "f32", args.max_tokens), greedy(path, "q8", args.max_tokens)
+    first, second = args.pair.split(",")
+    f32, q8 = greedy(path, first, args.max_tokens), greedy(path, second, args.max_tokens)
     agree = []
     for prompt, a, b in zip(PROMPTS, f32, q8, strict=True):
         i = first_difference(a, b)
