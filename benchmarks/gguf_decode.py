@@ -59,19 +59,34 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def gguf_weight_bytes(path: str, packed: bool, native: bool = False) -> int:
+def gguf_weight_bytes(path: str, packed: bool, native: bool = False, q8: bool = False) -> int:
     """Bytes of the matrices specserve holds for a GGUF file, from the file's tensor table: with ``packed``
     (``--quantization gguf``) the decoder layers' Q4_0 / Q4_1 weights stay 4-bit, 20 bytes per 32 weights (16 of
     nibbles, a bfloat16 scale and zero: workers/quantized_linear.py); every other matrix (the token embedding, the
     head) is expanded to float32. ``native`` (the native block kernel, workers/kernels/gguf_blocks.py): every
-    Q4_0 / Q4_1 / Q8_0 matrix, the tied embedding / head included, stays as the file stores it."""
+    Q4_0 / Q4_1 / Q8_0 matrix, the tied embedding / head included, stays as the file stores it; ``q8`` (its 8-bit
+    activations): repacked with the output rows padded to 16, the embedding as the file stores it, and the head
+    both ways. As the floor's bytes read a step, leave ``q8`` False: a step reads one copy."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
     if packed and native:
         blocks = four_bit + (GGMLQuantizationType.Q8_0,)
-        return sum(int(t.n_bytes) if t.tensor_type in blocks else 4 * int(t.n_elements)
-                   for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
+        tensors = [t for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1]
+        tied = not any(t.name == "output.weight" for t in tensors)
+
+        def held(t: Any) -> int:
+            if t.tensor_type not in blocks:
+                return 4 * int(t.n_elements)
+            if not q8:
+                return int(t.n_bytes)
+            n = int(t.shape[-1])  # output rows (the file lists the row length first)
+            repacked = -(-n // 16) * 16 * (int(t.n_bytes) // n)
+            if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+                return int(t.n_bytes) + repacked  # the head keeps the file's blocks too (its .weight, the embedding)
+            return int(t.n_bytes) if t.name == "token_embd.weight" else repacked
+
+        return sum(held(t) for t in tensors)
     return sum(int(t.n_elements) // 32 * 20 if packed and t.tensor_type in four_bit and t.name.startswith("blk.")
                else 4 * int(t.n_elements)
                for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
