@@ -24,7 +24,8 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
     OMP_NUM_THREADS=1 python -m benchmarks.gguf_decode --profile --compare-kernels \
         --target engine/default_models/target --profile-rows 1,5,8 --repeats 7
 
-``--profile --compare-native``: the 4-bit target with the native GGUF kernel against torch's path, alternating.
+``--profile --compare-native``: the 4-bit target with torch's path and the native GGUF kernel with float32 and 8-bit
+activations, alternating (each row count also as a ratio to the first, e.g. ``--profile-rows 1,4,5,8``).
 (``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
 that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 """
@@ -58,48 +59,68 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def gguf_weight_bytes(path: str, packed: bool, native: bool = False) -> int:
+def gguf_weight_bytes(path: str, packed: bool, native: bool = False, q8: bool = False) -> int:
     """Bytes of the matrices specserve holds for a GGUF file, from the file's tensor table: with ``packed``
     (``--quantization gguf``) the decoder layers' Q4_0 / Q4_1 weights stay 4-bit, 20 bytes per 32 weights (16 of
     nibbles, a bfloat16 scale and zero: workers/quantized_linear.py); every other matrix (the token embedding, the
     head) is expanded to float32. ``native`` (the native block kernel, workers/kernels/gguf_blocks.py): every
-    Q4_0 / Q4_1 / Q8_0 matrix, the tied embedding / head included, stays as the file stores it."""
+    Q4_0 / Q4_1 / Q8_0 matrix, the tied embedding / head included, stays as the file stores it; ``q8`` (its 8-bit
+    activations): repacked with the output rows padded to 16, the embedding as the file stores it, and the head
+    both ways. As the floor's bytes read a step, leave ``q8`` False: a step reads one copy."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
     if packed and native:
         blocks = four_bit + (GGMLQuantizationType.Q8_0,)
-        return sum(int(t.n_bytes) if t.tensor_type in blocks else 4 * int(t.n_elements)
-                   for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
+        tensors = [t for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1]
+        tied = not any(t.name == "output.weight" for t in tensors)
+
+        def held(t: Any) -> int:
+            if t.tensor_type not in blocks:
+                return 4 * int(t.n_elements)
+            if not q8:
+                return int(t.n_bytes)
+            n = int(t.shape[-1])  # output rows (the file lists the row length first)
+            repacked = -(-n // 16) * 16 * (int(t.n_bytes) // n)
+            if t.name == "output.weight" or (tied and t.name == "token_embd.weight"):
+                return int(t.n_bytes) + repacked  # the head keeps the file's blocks too (its .weight, the embedding)
+            return int(t.n_bytes) if t.name == "token_embd.weight" else repacked
+
+        return sum(held(t) for t in tensors)
     return sum(int(t.n_elements) // 32 * 20 if packed and t.tensor_type in four_bit and t.name.startswith("blk.")
                else 4 * int(t.n_elements)
                for t in GGUFReader(path).tensors if len(t.shape) > 1 and min(t.shape) > 1)
 
 
 @contextlib.contextmanager
-def native_kernel(on: bool) -> Iterator[None]:
-    """Models loaded inside use the native GGUF kernel (where it builds) or, ``on`` False, torch's path."""
+def native_kernel(on: bool, activations: str | None = None) -> Iterator[None]:
+    """Models loaded inside use the native GGUF kernel (where it builds; with ``activations`` "f32" / "q8" when
+    given, else KernelConfig's) or, ``on`` False, torch's path."""
     from workers.kernels import gguf_blocks
 
-    saved = os.environ.get("SPECSERVE_GGUF_KERNEL")
+    saved = {k: os.environ.get(k) for k in ("SPECSERVE_GGUF_KERNEL", "SPECSERVE_GGUF_ACTIVATIONS")}
     os.environ["SPECSERVE_GGUF_KERNEL"] = "1" if on else "0"
+    if activations:
+        os.environ["SPECSERVE_GGUF_ACTIVATIONS"] = activations
     gguf_blocks.available.cache_clear()
     try:
         yield
     finally:
-        os.environ.pop("SPECSERVE_GGUF_KERNEL")
-        if saved is not None:
-            os.environ["SPECSERVE_GGUF_KERNEL"] = saved
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
         gguf_blocks.available.cache_clear()
 
 
-def specserve_runner(path: str, quantization: str, prompt: list[int], n: int,
-                     native: bool = True) -> tuple[Callable[[], int], int]:
-    """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head)."""
+def specserve_runner(path: str, quantization: str, prompt: list[int], n: int, native: bool = True,
+                     activations: str | None = None) -> tuple[Callable[[], int], int]:
+    """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head);
+    ``activations``: the native kernel's ("f32" / "q8"; None: KernelConfig's)."""
     from engine import LLM, SamplingParams
     from workers.kernels import gguf_blocks
 
-    with native_kernel(native):
+    with native_kernel(native, activations):
         llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
         used = quantization == "gguf" and gguf_blocks.available()
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -147,7 +168,8 @@ def llama_cpp_runner(path: str, prompt: list[int], n: int, threads: int) -> tupl
 # torch op -> what it is, for the profile's classes (anything else: "elementwise, norms, RoPE")
 OP_CLASSES = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
-    "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::rows": "copies, casts, gathers",
+    "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::mm_q8": "block matmuls (native)",
+    "specserve_gguf::rows": "copies, casts, gathers",
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
@@ -258,27 +280,31 @@ def compare_kernels(path: str, quantization: str | None, rows_list: list[int], s
 
 
 def compare_native(path: str, rows_list: list[int], steps: int, repeats: int, cpu_time: bool = False) -> None:
-    """ms per forward of the 4-bit target with the native GGUF kernel and with torch's path (int4 kernel, float32
-    head), both loaded in this process and alternated ``repeats`` times; medians."""
+    """ms per forward of the 4-bit target with torch's path (int4 kernel, float32 head) and the native GGUF kernel
+    with float32 and with 8-bit activations, all loaded in this process and alternated ``repeats`` times; medians."""
     import statistics
 
+    variants = {"torch": (False, None), "native f32": (True, "f32"), "native q8": (True, "q8")}
     runs = {}
-    for native in (False, True):
-        with native_kernel(native):
-            runs[native] = _prompted_runner(path, "gguf")
+    for name, (native, acts) in variants.items():
+        with native_kernel(native, acts):
+            runs[name] = _prompted_runner(path, "gguf")
     clock = time.process_time if cpu_time else time.perf_counter
-    ms: dict[tuple[bool, int], list[float]] = {}
+    ms: dict[tuple[str, int], list[float]] = {}
     for _ in range(repeats):
-        for native, (_, runner, table, prompt) in runs.items():
+        for name, (_, runner, table, prompt) in runs.items():
             for rows in rows_list:
-                ms.setdefault((native, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps,
-                                                                    clock))
+                ms.setdefault((name, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows), steps,
+                                                                  clock))
+    used = {name: runs[name][0].quant_report.activations if runs[name][0].quant_report.native else "-" for name in runs}
     print(f"{'CPU' if cpu_time else 'wall'} ms per forward (rows of one verify chain), medians of {repeats} "
-          f"alternating runs; native kernel in use: {runs[True][0].quant_report.native}")
-    print(f"{'rows':>5} {'torch':>8} {'native':>8} {'ratio':>6}")
+          f"alternating runs; activations in use: {used}")
+    print(f"{'rows':>5}" + "".join(f"{name:>12}" for name in runs)
+          + "".join(f" {name + ' / 1st':>15}" for name in runs))
+    med = {key: statistics.median(v) for key, v in ms.items()}
     for rows in rows_list:
-        a, b = (statistics.median(ms[(native, rows)]) for native in (False, True))
-        print(f"{rows:>5} {a:>8.2f} {b:>8.2f} {b / a:>6.2f}")
+        print(f"{rows:>5}" + "".join(f"{med[(name, rows)]:>12.2f}" for name in runs)
+              + "".join(f" {med[(name, rows)] / med[(name, rows_list[0])]:>15.2f}" for name in runs))
 
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
@@ -308,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp n_threads, comma-separated: one llama_cpp row per value")
     ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
                     help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python; "
-                         "specserve_q4_torch: the 4-bit target without the native kernel")
+                         "specserve_q4_torch: the 4-bit target without the native kernel; "
+                         "specserve_q4_f32 / _q8: with it, float32 / 8-bit activations")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
@@ -358,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode == "specserve_q4_torch":  # the native kernel switched off: torch's int4 path, float32 head
             runners[mode] = specserve_runner(path, "gguf", prompt, n, native=False)
+        elif mode in ("specserve_q4_f32", "specserve_q4_q8"):  # the native kernel with these activations
+            runners[mode] = specserve_runner(path, "gguf", prompt, n, activations=mode.rpartition("_")[2])
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
         elif mode in ("llama_cpp", "llamacpp"):

@@ -63,15 +63,28 @@ class BlockEmbedding(_BlockTable):
 class BlockHead(_BlockTable):
     head_gemv = False  # read by nothing here; kept so reports of ``ParallelLMHead`` attributes still work
 
+    def __init__(self, blocks: torch.Tensor, qtype: int, dtype: torch.dtype, tp: Any, activations: str = "f32") -> None:
+        super().__init__(blocks, qtype, dtype, tp)
+        self.activations = activations
+        # "q8": the table repacked for the 8-bit-activation kernel (a second copy: the embedding reads the file's)
+        self.register_buffer("packed", gguf_blocks.pack_q8(blocks, qtype) if activations == "q8" else None)
+
+    def nbytes(self) -> int:
+        return self.blocks.numel() + (self.packed.numel() if self.packed is not None else 0)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("use BlockHead.logits(hidden)")
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """hidden [N, E] -> [N, V] float32; row-invariant whatever ``row_invariant`` says (one kernel for all)."""
-        return gguf_blocks.block_matmul(hidden.float().contiguous(), self.blocks, self.qtype)
+        h = hidden.float().contiguous()  # [N, E]
+        if self.activations == "q8":
+            return gguf_blocks.block_matmul_q8(h, self.packed, self.qtype, self.vocab_size)
+        return gguf_blocks.block_matmul(h, self.blocks, self.qtype)
 
 
-def quantize_head(model: nn.Module, weights: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], int]:
+def quantize_head(model: nn.Module, weights: list[tuple[str, Any]],
+                  activations: str = "f32") -> tuple[list[tuple[str, Any]], int]:
     """Swap in block-held embedding / head where possible; returns (weights left, bytes now held as blocks)."""
     inner = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
@@ -89,12 +102,13 @@ def quantize_head(model: nn.Module, weights: list[tuple[str, Any]]) -> tuple[lis
         taken.add(EMBED)
         held += table.numel()
         if tied:
-            model.lm_head = BlockHead(table, qtype, dtype, head.tp)
+            model.lm_head = BlockHead(table, qtype, dtype, head.tp, activations)
+            held += model.lm_head.nbytes() - table.numel()  # the repacked copy, if any
     head_src = sources.get(HEAD)
     if (not tied and head_src is not None and native_qtype(head_src) is not None
             and head_src.get_shape()[0] == head.vocab_size):
         table = raw_blocks(head_src.raw_rows(0, head_src.get_shape()[0]))
-        model.lm_head = BlockHead(table, native_qtype(head_src), head.weight.dtype, head.tp)
+        model.lm_head = BlockHead(table, native_qtype(head_src), head.weight.dtype, head.tp, activations)
         taken.add(HEAD)
-        held += table.numel()
+        held += model.lm_head.nbytes()
     return [(n, s) for n, s in weights if n not in taken], held

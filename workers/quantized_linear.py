@@ -3,7 +3,10 @@
 Two kernels. The native one (``BlockLinear``, workers/kernels/gguf_blocks.py) reads Q4_0 / Q4_1 / Q8_0 in the
 file's own blocks with float32 activations and accumulation, reads each weight row once for all rows of a call,
 and is row-invariant by construction; it is used when it builds and passes its check on this machine, on the CPU,
-and ``KernelConfig.gguf_native`` holds (``SPECSERVE_GGUF_KERNEL=0`` also turns it off). With it the tied
+and ``KernelConfig.gguf_native`` holds (``SPECSERVE_GGUF_KERNEL=0`` also turns it off); its activations are
+float32 or, with ``KernelConfig.gguf_activations = "q8"`` (``SPECSERVE_GGUF_ACTIVATIONS``) on an AVX-512 VNNI CPU,
+quantized per 32-block to 8 bits as llama.cpp computes these formats (the 4-bit target then computes as llama.cpp
+does; default "f32", docs/performance.md says why). With it the tied
 embedding / head stays in blocks too (workers/quantized_head.py). Otherwise (no compiler, a GPU, switched off),
 torch's int4 kernel below, which is what the rest of this docstring describes.
 
@@ -32,6 +35,9 @@ a rank's input columns not whole 32-weight groups) stay dequantized, and the ret
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +51,8 @@ from workers.kernels.row_linear import DEFAULT as DEFAULT_KERNELS
 from workers.kernels.row_linear import KernelConfig
 from workers.layers import ColumnParallelLinear, RowParallelLinear
 from workers.quantized_head import native_qtype, quantize_head, raw_blocks
+
+log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per Q4_0 / Q4_1 block
 _KERNEL_DTYPE = torch.bfloat16
@@ -99,17 +107,21 @@ class Int4Linear(nn.Module):
 
 class BlockLinear(nn.Module):
     """y = x W^T with W held as the file's blocks [out, in / 32 * block bytes] uint8 (the native kernel); x [T, in]
-    in any float dtype (computed in float32), y [T, out] in x's dtype."""
+    in any float dtype (computed in float32, or quantized to 8 bits per 32-block: ``activations`` "q8", the
+    blocks then held repacked for it), y [T, out] in x's dtype."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: int) -> None:
+    def __init__(self, blocks: torch.Tensor, qtype: int, activations: str = "f32") -> None:
         super().__init__()
-        self.register_buffer("blocks", blocks)
-        self.qtype = qtype
+        self.qtype, self.activations = qtype, activations
         self.out_features = blocks.shape[0]
         self.in_features = blocks.shape[1] // gguf_blocks.BLOCK_BYTES[qtype] * GROUP
+        self.register_buffer("blocks", gguf_blocks.pack_q8(blocks, qtype) if activations == "q8" else blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_blocks.block_matmul(x.float().contiguous(), self.blocks, self.qtype).to(x.dtype)  # [T, out]
+        xf = x.float().contiguous()  # [T, in]
+        if self.activations == "q8":
+            return gguf_blocks.block_matmul_q8(xf, self.blocks, self.qtype, self.out_features).to(x.dtype)
+        return gguf_blocks.block_matmul(xf, self.blocks, self.qtype).to(x.dtype)  # [T, out]
 
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -122,12 +134,30 @@ def use_native(model: nn.Module, config: KernelConfig = DEFAULT_KERNELS) -> bool
     return config.gguf_native and on_cpu and gguf_blocks.available()
 
 
+@functools.lru_cache(maxsize=4)
+def _q8_runs_here(wanted: str) -> bool:
+    if wanted == "q8" and gguf_blocks.best_isa() != "avx512vnni":
+        log.warning("8-bit GGUF activations need AVX-512 VNNI, which this CPU lacks: using float32 activations")
+        return False
+    return wanted == "q8"
+
+
+def activations(config: KernelConfig = DEFAULT_KERNELS) -> str:
+    """The native kernel's activation mode here: ``SPECSERVE_GGUF_ACTIVATIONS`` or the config's, "q8" only on a
+    CPU with AVX-512 VNNI (call after ``use_native``)."""
+    wanted = os.environ.get("SPECSERVE_GGUF_ACTIVATIONS") or config.gguf_activations
+    if wanted not in ("f32", "q8"):
+        raise ValueError(f"SPECSERVE_GGUF_ACTIVATIONS must be 'f32' or 'q8', got {wanted!r}")
+    return "q8" if _q8_runs_here(wanted) else "f32"
+
+
 @dataclass
 class QuantReport:
     quantized: list[str] = field(default_factory=list)  # module names now running BlockLinear / Int4Linear
     dequantized: list[str] = field(default_factory=list)  # Q4 weights expanded because the kernel cannot take them
     packed_bytes: int = 0
     native: bool = False  # the native block kernel (BlockLinear and the block-held embedding / head)
+    activations: str = "f32"  # the native kernel's activations ("f32" / "q8", KernelConfig.gguf_activations)
 
 
 def _rank_blocks(layer: nn.Module, parts: Sequence[tuple[Any, Any]]) -> np.ndarray | None:
@@ -157,7 +187,8 @@ def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]],
     """
     report = QuantReport(native=use_native(model, config))
     if report.native:
-        weights, report.packed_bytes = quantize_head(model, weights)
+        report.activations = activations(config)
+        weights, report.packed_bytes = quantize_head(model, weights, report.activations)
         kinds = {src.qtype for _, src in weights if native_qtype(src) is not None}  # formats the kernel reads
     else:
         kinds = set(_q4_types())
@@ -182,7 +213,7 @@ def quantize_linears(model: nn.Module, weights: list[tuple[str, Any]],
             report.dequantized.append(module_name)
             continue
         if report.native:
-            layer.quant = BlockLinear(raw_blocks(raw), native_qtype(parts[0][2]))
+            layer.quant = BlockLinear(raw_blocks(raw), native_qtype(parts[0][2]), report.activations)
         else:
             q, scale, zero = decode_q4_blocks(raw, parts[0][2].qtype)
             layer.quant = Int4Linear(q, scale, zero).to(layer.weight.device)

@@ -13,6 +13,8 @@
 // Built without -ffast-math and with -ffp-contract=off (workers/kernels/gguf_blocks.py), so the compiler fuses or
 // reorders nothing on its own. The SIMD paths are compiled with target attributes and chosen at run time from the
 // CPU's flags (__builtin_cpu_supports), so the library itself runs on any x86-64.
+#include "gguf_blocks.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,48 +24,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define SPECSERVE_X86 1
-#endif
 
 namespace {
-
-constexpr int64_t kBlock = 32;   // weights per block (all three formats)
-constexpr int kLanes = 16;       // accumulator lanes per row (the reduction order's shape)
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
-// kSkewed: a deliberately row-count-dependent variant (lanes summed in another order when M > 1), only for
-// showing that the row-invariance tests catch such a kernel (tests/test_kernel_gguf.py).
-enum Isa : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2, kSkewed = 99 };
-
-int64_t block_bytes(int64_t qtype) {
-  switch (qtype) {
-    case Q4_0: return 18;  // d, 16 bytes of nibbles
-    case Q4_1: return 20;  // d, m, 16 bytes of nibbles
-    case Q8_0: return 34;  // d, 32 int8
-    default: TORCH_CHECK(false, "unsupported GGUF block type ", qtype);
-  }
-}
-
-float half_to_float(uint16_t h) {  // exact IEEE binary16 -> binary32 (subnormals included)
-  uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while (!(mant & 0x400)) { mant <<= 1; --exp; }
-    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t load_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+using namespace specserve_gguf;
 
 // Weight row (K / 32 blocks) -> w[K] float32, exactly (shared by every path: its arithmetic is exact or one
 // rounding of an exact product plus m, so vectorising it would not change a bit; the compiler may).
@@ -83,12 +46,6 @@ void dequantize_row(const uint8_t* row, int64_t k, int64_t qtype, float* w) {
       for (int j = 0; j < 16; ++j) { w[j] = d * float((q[j] & 0x0F) - 8); w[j + 16] = d * float((q[j] >> 4) - 8); }
     }
   }
-}
-
-float lane_sum(float* t) {  // the fixed horizontal sum: halves added 8, 4, 2, 1 lanes apart
-  for (int s = kLanes / 2; s >= 1; s /= 2)
-    for (int l = 0; l < s; ++l) t[l] = t[l] + t[l + s];
-  return t[0];
 }
 
 // --- the dot products of one dequantized weight row with R rows of x (y[m * ldy] for each row m) ---
@@ -115,14 +72,6 @@ void dots_skewed(const float* w, const float* x, int64_t k, float* y, int64_t ld
 }
 
 #ifdef SPECSERVE_X86
-// The fixed lane tree of lane_sum, in registers: the same additions on the same pairs (a + b == b + a exactly).
-__attribute__((target("avx2"))) inline float tree_sum(__m256 lo, __m256 hi) {
-  const __m256 s8 = _mm256_add_ps(lo, hi);                                                     // l, l + 8
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));      // l, l + 4
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                      // l, l + 2
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                              // 0, 1
-}
-
 template <int R, int NB>
 __attribute__((target("avx2,fma"))) void dots_avx2(const float* w, const float* x, int64_t k, float* y,
                                                    int64_t ldy) {
@@ -298,15 +247,6 @@ constexpr int kTile = 8;  // rows per register tile, one weight row (the last ti
 constexpr int kWide = 4;  // weight rows per AVX-512 pass (R rows x 4 columns of accumulators)
 constexpr int kWideTile = 6;  // rows per such pass: 24 accumulators + 4 weights + 1 x of 32 registers
 
-int64_t best_isa() {
-#ifdef SPECSERVE_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-#endif
-  return kScalar;
-}
-
 const Dots* tiles(int64_t isa, int64_t m) {
   static const Dots scalar[kTile] = SPECSERVE_TILES(dots_scalar);
   static const Dots skewed[kTile] = SPECSERVE_TILES(dots_skewed);
@@ -329,14 +269,6 @@ const Dots* wide_tiles(int64_t isa) {  // kWide weight rows a pass, up to kWideT
   return nullptr;
 }
 
-int64_t resolve_isa(int64_t isa) {
-  const int64_t best = best_isa();
-  if (isa == kAuto) return best;
-  if (isa == kSkewed) return isa;
-  TORCH_CHECK(isa >= kScalar && isa <= best, "instruction set ", isa, " not available here (best: ", best, ")");
-  return isa;
-}
-
 // x [M, K] float32, blocks [N, K / 32 * block bytes] uint8 -> y [M, N] float32.
 at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, int64_t isa) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(), "x: [M, K] float32 CPU");
@@ -346,7 +278,8 @@ at::Tensor block_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qt
   TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * bb, "blocks do not hold ", k, " weights a row");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  const int64_t chosen = resolve_isa(isa);
+  int64_t chosen = resolve_isa(isa);
+  if (chosen == kAvx512Vnni) chosen = kAvx512;  // float32 activations: no integer dot products
   const Dots* dots = tiles(chosen, m);
   const Dequantize dequantize = dequantizer(chosen);
   const float* xp = x.data_ptr<float>();

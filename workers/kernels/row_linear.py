@@ -50,8 +50,16 @@ class KernelConfig:
     # GGUF block weights (Q4_0 / Q4_1 / Q8_0) through the native row-invariant kernel (workers/kernels/
     # gguf_blocks.py) when it builds here; False: torch's int4 kernel (bfloat16 activations) and a float32 head.
     gguf_native: bool = True
+    # The native kernel's activations: "q8" quantizes them per row and 32-block to 8 bits and takes integer dot
+    # products against the blocks, as llama.cpp computes these formats (on AVX-512 VNNI a 4-bit step costs ~0.6x
+    # and a 5-row verify ~0.55x "f32"'s, but it is another model: greedy text drifts from "f32"'s after some
+    # tokens); "f32": float32 activations, exact products (docs/performance.md, "Verify cost"). "q8" needs AVX-512
+    # VNNI, else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides.
+    gguf_activations: str = "f32"
 
     def __post_init__(self) -> None:
+        if self.gguf_activations not in ("f32", "q8"):
+            raise ValueError(f"gguf_activations must be 'f32' or 'q8', got {self.gguf_activations!r}")
         if self.gemm_rows < 1 or self.head_gemv_bytes < 0 or self.max_rows % self.gemm_rows:
             raise ValueError(f"gemm_rows must be >= 1, head_gemv_bytes >= 0 and max_rows a multiple of gemm_rows, "
                              f"got {self.gemm_rows}, {self.head_gemv_bytes}, {self.max_rows}")
