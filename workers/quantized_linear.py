@@ -6,7 +6,7 @@ and is row-invariant by construction; it is used when it builds and passes its c
 and ``KernelConfig.gguf_native`` holds (``SPECSERVE_GGUF_KERNEL=0`` also turns it off); its activations are
 float32 or, with ``KernelConfig.gguf_activations = "q8"`` (``SPECSERVE_GGUF_ACTIVATIONS``) on an AVX-512 VNNI CPU,
 quantized per 32-block to 8 bits as llama.cpp computes these formats (the 4-bit target then computes as llama.cpp
-does; default "f32", docs/performance.md says why). With it the tied
+does; the default where VNNI exists, docs/performance.md says why). With it the tied
 embedding / head stays in blocks too (workers/quantized_head.py). Otherwise (no compiler, a GPU, switched off),
 torch's int4 kernel below, which is what the rest of this docstring describes.
 

@@ -54,8 +54,9 @@ class KernelConfig:
     # products against the blocks, as llama.cpp computes these formats (on AVX-512 VNNI a 4-bit step costs ~0.6x
     # and a 5-row verify ~0.55x "f32"'s, but it is another model: greedy text drifts from "f32"'s after some
     # tokens); "f32": float32 activations, exact products (docs/performance.md, "Verify cost"). "q8" needs AVX-512
-    # VNNI, else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides.
-    gguf_activations: str = "f32"
+    # VNNI, else "f32" is used (logged once); ``SPECSERVE_GGUF_ACTIVATIONS`` overrides. "q8" by default: the file's
+    # own reference engine computes this way, and a q8 5-row verify costs less than an f32 one-row step.
+    gguf_activations: str = "q8"
 
     def __post_init__(self) -> None:
         if self.gguf_activations not in ("f32", "q8"):
