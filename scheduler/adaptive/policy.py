@@ -132,7 +132,7 @@ class AdaptivePolicy:
                 vetoed.add(s)
             else:
                 probing.add(s)
-        self._calm[b] = 0 if vetoed or probing else self._calm.get(b, 0) + 1
+        self._calm[b] = 0 if vetoed or probing else self._calm.get(b, 1 << 30) + 1
         everything = len(vetoed) == len(names)
         if everything and self._opened(reqs):
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
@@ -292,7 +292,11 @@ class AdaptivePolicy:
         if prefill:
             return None
         speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
-        cands = [[v.pinned or () for v in views], fixed] if speculating else [self._few_speculate(views, fixed)]
+        # The configured shape waits ``probe_every`` steps after a source at this batch size was last vetoed: right
+        # after a veto lifts, speculation is near break-even and its largest verify is the costliest thing to try.
+        calm = self._calm.get(bucket(len(views)), 0) >= self.config.probe_every
+        cands = ([[v.pinned or () for v in views]] + ([fixed] if calm else []) if speculating
+                 else [self._few_speculate(views, fixed)] if calm else [])
         due = []
         for c in cands:
             if c == chosen.shapes:
