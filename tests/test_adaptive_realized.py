@@ -7,6 +7,7 @@ import pytest
 
 from scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
 from scheduler.adaptive.costs import StepLoad, StepTiming
+from scheduler.adaptive.plan import DRAFT
 from scheduler.adaptive.realized import RealizedRates
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -90,17 +91,17 @@ def test_speculation_that_pays_is_kept_and_a_veto_lifts_when_acceptance_rises() 
 def test_realised_rates_compare_the_kinds_per_batch_size() -> None:
     r = RealizedRates(AdaptiveConfig(realized_min_steps=3.0, realized_decay=0.9))
     for _ in range(2):
-        r.observe(1, True, tokens=1.0, seconds=1.0)
-        r.observe(1, False, tokens=2.0, seconds=1.0)
-    assert r.rate(1, True) is None and r.loss(1) == 0.0  # too few steps to judge
+        r.observe(1, [DRAFT], tokens=1.0, seconds=1.0)
+        r.observe(1, [], tokens=2.0, seconds=1.0)
+    assert r.rate(1, DRAFT) is None and r.loss(1) == 0.0  # too few steps to judge
     for _ in range(2):
-        r.observe(1, True, tokens=1.0, seconds=1.0)
-        r.observe(1, False, tokens=2.0, seconds=1.0)
-    assert r.rate(1, True) == pytest.approx(1.0) and r.loss(1) == pytest.approx(0.5)  # half a step (1 s each)
-    r.observe(1, True, tokens=3.0, seconds=3.0)  # a longer speculative step: its loss in plain steps grows
+        r.observe(1, [DRAFT], tokens=1.0, seconds=1.0)
+        r.observe(1, [], tokens=2.0, seconds=1.0)
+    assert r.rate(1, DRAFT) == pytest.approx(1.0) and r.loss(1) == pytest.approx(0.5)  # half a step (1 s each)
+    r.observe(1, [DRAFT], tokens=3.0, seconds=3.0)  # a longer speculative step: its loss in plain steps grows
     assert r.loss(1) > 0.5
     assert r.loss(64) == 0.0  # another batch-size bucket: its own evidence
-    r.observe(1, False, tokens=2.0, seconds=1.0)
-    assert r.steps_since(1, True) == 1  # the last step was plain
-    r.observe(1, True, tokens=0.0, seconds=1.0)  # nothing emitted: not a step to learn from
-    assert r.steps_since(1, True) == 1
+    r.observe(1, [], tokens=2.0, seconds=1.0)
+    assert r.steps_since(1, DRAFT) == 1  # the last step was plain
+    r.observe(1, [DRAFT], tokens=0.0, seconds=1.0)  # nothing emitted: not a step to learn from
+    assert r.steps_since(1, DRAFT) == 1

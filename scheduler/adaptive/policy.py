@@ -13,7 +13,7 @@ from scheduler.adaptive.acceptance import AcceptanceTracker, expected_tokens
 from scheduler.adaptive.config import AdaptiveConfig
 from scheduler.adaptive.costs import CostModel, StepTiming, bucket
 from scheduler.adaptive.explore import Explorer
-from scheduler.adaptive.plan import DRAFT, Plan, Req, plan, price, real_load
+from scheduler.adaptive.plan import DRAFT, PLAIN, Plan, Req, plan, price, real_load
 from scheduler.adaptive.realized import RealizedRates
 from scheduler.adaptive.sources import Sources, choose
 from scheduler.request import Request
@@ -38,12 +38,13 @@ class AdaptivePolicy:
     _views: dict[int, Req] = field(default_factory=dict)  # this step's requests as planned
     _last: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq_id -> previous chosen shape
     _cold_steps: int = 0
-    realized: RealizedRates | None = None  # what planned steps yielded, speculative and plain apart
+    realized: RealizedRates | None = None  # what planned steps yielded, per source and plain apart
     _step_tokens: int = 0  # tokens this step's rounds emitted so far
-    _step_drafted: bool = False  # whether any of them verified candidates
-    _probes: dict[int, int] = field(default_factory=dict)  # batch bucket -> probes of vetoed speculation that lost
-    _probe: bool = False  # this step is such a probe
-    _since_probe: dict[int, int] = field(default_factory=dict)  # bucket -> steps since the planner ran vetoed
+    _step_sources: set[str] = field(default_factory=set)  # the sources whose candidates they verified
+    _probes: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, source) -> its probes that lost
+    _probing: set[str] = field(default_factory=set)  # the vetoed sources this step probes
+    _since_probe: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, source) -> steps since probed
+    _calm: dict[int, int] = field(default_factory=dict)  # bucket -> steps since a source there was last vetoed
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
@@ -62,23 +63,24 @@ class AdaptivePolicy:
 
     def observe_round(self, req: Request, branching: tuple[int, ...], num_accepted: int) -> None:
         self._step_tokens += num_accepted + 1
-        self._step_drafted = self._step_drafted or bool(branching)
-        self._tracker(self.source_of(req.seq_id)).observe(req.params.greedy, any(w > 1 for w in branching),
+        source = self.source_of(req.seq_id)
+        if branching:
+            self._step_sources.add(source)
+        self._tracker(source).observe(req.params.greedy, any(w > 1 for w in branching),
                                                            len(branching), num_accepted)
 
     def observe_step(self, batch: ScheduledBatch, timing: StepTiming) -> None:
         """A timed step: what the planned step carried (its rounds as viewed when planned, before the counters
         moved, and its prompt chunks) and how long it took."""
         views = [self._views.get(r.seq_id) for r in batch.rounds]
-        tokens, drafted, self._step_tokens, self._step_drafted = self._step_tokens, self._step_drafted, 0, False
+        tokens, drafted, self._step_tokens, self._step_sources = self._step_tokens, self._step_sources, 0, set()
         if not self.observing or None in views:  # a step this policy did not plan is not learned from
             return
         seconds = timing.verify_s + timing.draft_s + timing.state_s
         if self.forced is None and not batch.prefills:
-            if self._probe and drafted:  # a probe that lost stretches the next interval; one that won resets it
-                plain = self.realized.rate(len(views), False)
-                b = bucket(len(views))
-                self._probes[b] = self._probes.get(b, 0) + 1 if plain and tokens < plain * seconds else 0
+            plain, b = self.realized.rate(len(views), PLAIN), bucket(len(views))
+            for s in self._probing & drafted:  # a probe that lost stretches its next interval; one that won resets it
+                self._probes[b, s] = self._probes.get((b, s), 0) + 1 if plain and tokens < plain * seconds else 0
             self.realized.observe(len(views), drafted, tokens, seconds)
         load = real_load(views, batch.shapes)
         prefill = sum(c.end - c.start for c in batch.prefills)
@@ -109,51 +111,60 @@ class AdaptivePolicy:
     def plan(self, reqs: Sequence[Request], prefill: bool = False) -> list[tuple[int, ...]]:
         """Each request's round. ``prefill``: prompt chunks share the step (no exploration: its time is theirs)."""
         tree = self.base.tree.branching
-        self._probe = False
+        self._probing = set()
         if self.forced is not None:
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             return [self.forced[: self.base.cap(r)] for r in reqs]
-        # Where speculative steps have measured slower than plain ones at this batch size, decode plainly
-        # whatever the curves predict, and without planning (its ~1 ms a step shows at batch 1) once the opening
-        # rounds are done and nothing is pinned; the planned speculation still runs as a probe when due (what a
-        # step of it loses sets how often, stretched while probes keep losing), so a workload that starts accepting
-        # more is seen.
-        n = len(reqs)
-        loss = self.realized.loss(n)
-        if loss <= 0:
-            self._probes.pop(bucket(n), None)
-        b = bucket(n)
-        self._since_probe[b] = self._since_probe.get(b, 0) + 1
-        vetoed = loss > 0 and (prefill or self._since_probe[b] <= self._probe_interval(loss, n))
-        if vetoed and self._opened(reqs):
+        # A source whose steps have measured slower than plain ones at this batch size drafts nothing whatever
+        # the curves predict (its requests take the next-best source, or plain decode); it still runs as a probe
+        # when due on its own timer (what a step of it loses sets how often, stretched while its probes keep
+        # losing), so a workload that starts accepting more is seen. With every source vetoed, the opening rounds
+        # done and nothing pinned, plain decode without planning (its ~1 ms a step shows at batch 1).
+        n, b = len(reqs), bucket(len(reqs))
+        names = self._source_names()
+        vetoed, probing = set(), set()
+        for s in names:
+            loss = self.realized.loss(n, s)
+            self._since_probe[b, s] = self._since_probe.get((b, s), 0) + 1
+            if loss <= 0:
+                self._probes.pop((b, s), None)
+            elif prefill or self._since_probe[b, s] <= self._probe_interval(loss, n, s):
+                vetoed.add(s)
+            else:
+                probing.add(s)
+        self._calm[b] = 0 if vetoed or probing else self._calm.get(b, 1 << 30) + 1
+        everything = len(vetoed) == len(names)
+        if everything and self._opened(reqs):
             self._views = {r.seq_id: self._view(r, []) for r in reqs}
             self._last.update((r.seq_id, ()) for r in reqs)
             return [()] * n
         pins = self._pins(reqs)
         costs = self._costs_for([r.params.greedy for r in reqs])
-        views = self._views_of(reqs, pins, costs)
+        views = self._views_of(reqs, pins, costs, vetoed)
         self._views = {v.seq_id: v for v in views}
         fixed = [tree[: v.cap] for v in views]
         if all(v.pinned is not None for v in views):
             return [v.pinned for v in views]
         if not costs.ready:
             return self._cold(views, fixed)
-        if vetoed:
+        if everything:
             plain = [v.pinned or () for v in views]
             self._last.update((v.seq_id, s) for v, s in zip(views, plain, strict=True))
             return plain
         best = plan(views, costs, tree, self.config, self._last)
         self._last.update((v.seq_id, s) for v, s in zip(views, best.shapes, strict=True))
-        if loss > 0:  # a probe of what the planner would run (plain decode too: the planner's answer is the probe)
-            self._probe, self._since_probe[b] = best.speculates, 0
+        if vetoed or probing:  # a probe of what the planner would run (plain decode too: its answer is the probe)
+            for s in probing:
+                self._since_probe[b, s] = 0
+            self._probing = {v.source for v, sh in zip(views, best.shapes, strict=True) if sh} & probing
             return best.shapes
         return (self._exploration(views, best, fixed, costs, prefill) or best).shapes
 
-    def _probe_interval(self, loss: float, num_seqs: int) -> float:
-        """Steps between probes of vetoed speculation: the exploration budget's, times ``probe_backoff`` per probe
-        that lost since one last won (up to ``probe_every``)."""
+    def _probe_interval(self, loss: float, num_seqs: int, source: str) -> float:
+        """Steps between probes of a vetoed source: the exploration budget's, times ``probe_backoff`` per probe of
+        it that lost since one last won (up to ``probe_every``)."""
         c = self.config
-        stretch = c.probe_backoff ** self._probes.get(bucket(num_seqs), 0)
+        stretch = c.probe_backoff ** self._probes.get((bucket(num_seqs), source), 0)
         return min(float(max(c.probe_every, c.explore_min)), self.explorer.interval(loss) * stretch)
 
     def _opened(self, reqs: Sequence[Request]) -> bool:
@@ -166,6 +177,11 @@ class AdaptivePolicy:
         """Opening rounds measure a draft model (a proposer is free to try: it measures itself)."""
         return self.sources is None or self.sources.fallback_depth > 0
 
+    def _source_names(self) -> list[str]:
+        """The sources rounds may be drafted from: the draft model, or the proposer (and its fallback model)."""
+        src = self.sources
+        return [DRAFT] if src is None else [src.name] + ([DRAFT] if src.fallback_depth else [])
+
     def source_of(self, seq_id: int) -> str:
         """The source this step's plan gave the request's candidates (``DRAFT`` when no proposer is configured)."""
         v = self._views.get(seq_id)
@@ -174,10 +190,11 @@ class AdaptivePolicy:
     def _tracker(self, source: str) -> AcceptanceTracker:
         return self.match_acceptance if self.sources is not None and source == self.sources.name else self.acceptance
 
-    def _views_of(self, reqs: Sequence[Request], pins: list[tuple[int, ...] | None], costs: CostModel) -> list[Req]:
+    def _views_of(self, reqs: Sequence[Request], pins: list[tuple[int, ...] | None], costs: CostModel,
+                  vetoed: set[str]) -> list[Req]:
         """Each request as planned: from the draft's rates, or with ``sources`` the view of the source it is best
-        drafted from (sources.py); a seeded sampled request takes the proposer wherever it has a match (its
-        output must not depend on timing)."""
+        drafted from (sources.py) among those not ``vetoed`` (a pinned request ignores the veto: a seeded sampled
+        one takes the proposer wherever it has a match, as its output must not depend on timing)."""
         tree = self.base.tree.branching
         memo: dict[tuple[str, bool], tuple[list[float], list[float] | None]] = {}
 
@@ -195,12 +212,13 @@ class AdaptivePolicy:
         for r, p in zip(reqs, pins, strict=True):
             cap, g = self.base.cap(r), r.params.greedy
             depth = min(cap, src.match(r, cap)) if cap else 0
+            free = p is None
             options = []
-            if depth:
+            if depth and not (free and src.name in vetoed):
                 pin = p if self.pinned(r) else None  # opening rounds are the draft model's
                 options.append(dataclasses.replace(self._view(r, *rates(src.name, g), pin, cap=depth),
                                                    source=src.name, forwards=False))
-            if src.fallback_depth and not (options and self.pinned(r)):
+            if src.fallback_depth and not (options and self.pinned(r)) and not (free and DRAFT in vetoed):
                 options.append(self._view(r, *rates(DRAFT, g), p, cap=min(cap, src.fallback_depth)))
             views.append(choose(options, costs, self.config) if options
                          else self._view(r, *rates(DRAFT, g), None, cap=0))
@@ -274,7 +292,11 @@ class AdaptivePolicy:
         if prefill:
             return None
         speculating = any(s for v, s in zip(views, chosen.shapes, strict=True) if v.pinned is None)
-        cands = [[v.pinned or () for v in views], fixed] if speculating else [self._few_speculate(views, fixed)]
+        # The configured shape waits ``probe_every`` steps after a source at this batch size was last vetoed: right
+        # after a veto lifts, speculation is near break-even and its largest verify is the costliest thing to try.
+        calm = self._calm.get(bucket(len(views)), 0) >= self.config.probe_every
+        cands = ([[v.pinned or () for v in views]] + ([fixed] if calm else []) if speculating
+                 else [self._few_speculate(views, fixed)] if calm else [])
         due = []
         for c in cands:
             if c == chosen.shapes:

@@ -5,16 +5,20 @@ The planner compares plans by predicted rate (expected tokens / predicted second
 estimates can be wrong in ways that no one curve shows: a draft catch-up priced spread over rounds that never
 come, controller time one curve shares between both kinds of step, a profile taken at other contexts or load.
 So every planned decode step is also booked as it ran (tokens emitted, wall seconds), per batch-size bucket and
-per kind (speculative or plain). Where the speculative steps have measured slower than the plain ones, the policy
-decodes plainly and runs its speculative plan only as an exploration (docs/adaptive.md, Realised rates).
+per kind: plain, or the drafting source whose candidates it verified (a step whose rounds came from several
+sources is booked under each). Where a source's steps have measured slower than the plain ones, the policy stops
+drafting from it and runs it only as a probe (docs/adaptive.md, Realised rates): a losing draft model does not
+silence a winning match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduler.adaptive.config import AdaptiveConfig
 from scheduler.adaptive.costs import bucket
+from scheduler.adaptive.plan import DRAFT, PLAIN
 
 
 @dataclass
@@ -30,36 +34,41 @@ class _Sums:
 @dataclass
 class RealizedRates:
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
-    _sums: dict[tuple[int, bool], _Sums] = field(default_factory=dict)  # (batch bucket, speculated) -> sums
+    _sums: dict[tuple[int, str], _Sums] = field(default_factory=dict)  # (batch bucket, kind) -> sums
 
-    def observe(self, num_seqs: int, speculated: bool, tokens: float, seconds: float) -> None:
-        """One planned decode step (no prompt chunks): the tokens it emitted and its wall seconds."""
+    def observe(self, num_seqs: int, sources: Iterable[str], tokens: float, seconds: float) -> None:
+        """One planned decode step (no prompt chunks): the sources whose candidates it verified (none: plain),
+        the tokens it emitted and its wall seconds."""
         if tokens <= 0 or seconds <= 0:
             return
         b, d = bucket(num_seqs), self.config.realized_decay
-        for kind in (True, False):
+        kinds = set(sources) or {PLAIN}
+        for (sb, kind), s in self._sums.items():
+            if sb == b and kind not in kinds:
+                s.since += 1
+        for kind in kinds:
             s = self._sums.setdefault((b, kind), _Sums())
-            s.since = 0 if kind == speculated else s.since + 1
-        s = self._sums[b, speculated]
-        s.tokens, s.seconds, s.steps = d * s.tokens + tokens, d * s.seconds + seconds, d * s.steps + 1.0
+            s.tokens, s.seconds, s.steps = d * s.tokens + tokens, d * s.seconds + seconds, d * s.steps + 1.0
+            s.since = 0
 
-    def rate(self, num_seqs: int, speculated: bool) -> float | None:
-        """Tokens per second of this kind of step at this batch size; None before ``realized_min_steps``."""
-        s = self._sums.get((bucket(num_seqs), speculated))
+    def rate(self, num_seqs: int, kind: str = DRAFT) -> float | None:
+        """Tokens per second of this kind of step (``PLAIN`` or a source) at this batch size; None before
+        ``realized_min_steps``."""
+        s = self._sums.get((bucket(num_seqs), kind))
         if s is None or s.steps < self.config.realized_min_steps or s.seconds <= 0:
             return None
         return s.tokens / s.seconds
 
-    def loss(self, num_seqs: int) -> float:
-        """Plain steps' worth of time a speculative step loses against plain decode at this batch size (0: it
-        does not lose, or either kind is not measured yet): its seconds less those plain decode takes for its
-        tokens, over a plain step's seconds."""
-        spec, plain = self.rate(num_seqs, True), self.rate(num_seqs, False)
+    def loss(self, num_seqs: int, source: str = DRAFT) -> float:
+        """Plain steps' worth of time a step drafted from ``source`` loses against plain decode at this batch
+        size (0: it does not lose, or either kind is not measured yet): its seconds less those plain decode takes
+        for its tokens, over a plain step's seconds."""
+        spec, plain = self.rate(num_seqs, source), self.rate(num_seqs, PLAIN)
         if spec is None or plain is None or spec >= plain:
             return 0.0
-        s, p = self._sums[bucket(num_seqs), True], self._sums[bucket(num_seqs), False]
+        s, p = self._sums[bucket(num_seqs), source], self._sums[bucket(num_seqs), PLAIN]
         return (s.seconds / s.steps) * (1.0 - spec / plain) / (p.seconds / p.steps)
 
-    def steps_since(self, num_seqs: int, speculated: bool) -> int:
-        s = self._sums.get((bucket(num_seqs), speculated))
+    def steps_since(self, num_seqs: int, kind: str = DRAFT) -> int:
+        s = self._sums.get((bucket(num_seqs), kind))
         return s.since if s is not None else 0
