@@ -17,6 +17,7 @@ from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch
 from scheduler.spec_policy import SpecPolicy, TreeShape
+from tests.helpers_adaptive import decoding_requests
 
 MS = 1e-3
 
@@ -130,15 +131,6 @@ def test_explorer_budget_and_hysteresis() -> None:
         AdaptiveConfig(explore_min=300)
 
 
-def _requests(n: int, greedy: bool = True) -> list[Request]:
-    reqs = []
-    for i in range(n):
-        r = Request(i, str(i), [1] * 16, SamplingParams(max_tokens=10_000, temperature=0.0 if greedy else 1.0,
-                                                         ignore_eos=True))
-        r.output_token_ids = [2]
-        r.num_cached_target = r.num_cached_draft = r.num_tokens - 1
-        reqs.append(r)
-    return reqs
 
 
 def _true_seconds(load: StepLoad, verify_ms: float, draft_ms: float) -> StepTiming:
@@ -163,7 +155,7 @@ def _run(policy: AdaptivePolicy, reqs: list[Request], steps: int, verify_ms: flo
 
 def test_the_policy_learns_to_speculate_and_explores_within_its_budget() -> None:
     policy = AdaptivePolicy(SpecPolicy(TreeShape((1,) * 4), 4096, 4096))
-    reqs = _requests(4)
+    reqs = decoding_requests(4)
     # Memory-bound target (30 ms a step), cheap draft, every candidate accepted: deep chains win.
     steps = _run(policy, reqs, 300, verify_ms=30.0, draft_ms=1.0, accepted=4)
     late = steps[100:]
@@ -175,7 +167,7 @@ def test_the_policy_learns_to_speculate_and_explores_within_its_budget() -> None
 
 def test_the_policy_stops_speculating_when_nothing_is_accepted() -> None:
     policy = AdaptivePolicy(SpecPolicy(TreeShape((1,) * 4), 4096, 4096))
-    reqs = _requests(4)
+    reqs = decoding_requests(4)
     steps = _run(policy, reqs, 200, verify_ms=30.0, draft_ms=8.0, accepted=0)
     late = steps[100:]
     assert sum(not any(st) for st in late) >= 0.85 * len(late)
@@ -183,7 +175,7 @@ def test_the_policy_stops_speculating_when_nothing_is_accepted() -> None:
 
 def test_seeded_sampled_requests_are_pinned_to_the_configured_shape() -> None:
     policy = AdaptivePolicy(SpecPolicy(TreeShape((2, 1, 1)), 4096, 4096))
-    reqs = _requests(3, greedy=False)
+    reqs = decoding_requests(3, greedy=False)
     reqs[0].params = SamplingParams(max_tokens=10_000, temperature=1.0, seed=7, ignore_eos=True)
     steps = _run(policy, reqs, 60, verify_ms=5.0, draft_ms=20.0, accepted=0)  # speculation cannot pay
     assert all(st[0] == (2, 1, 1) for st in steps)

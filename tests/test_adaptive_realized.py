@@ -9,22 +9,13 @@ from scheduler.adaptive import AdaptiveConfig, AdaptivePolicy
 from scheduler.adaptive.costs import StepLoad, StepTiming
 from scheduler.adaptive.plan import DRAFT
 from scheduler.adaptive.realized import RealizedRates
-from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch
 from scheduler.spec_policy import SpecPolicy, TreeShape
+from tests.helpers_adaptive import decoding_requests
 
 MS = 1e-3
 
 
-def _requests(n: int) -> list[Request]:
-    reqs = []
-    for i in range(n):
-        r = Request(i, str(i), [1] * 16, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-        r.output_token_ids = [2]
-        r.num_cached_target = r.num_cached_draft = r.num_tokens - 1
-        reqs.append(r)
-    return reqs
 
 
 def _world(policy: AdaptivePolicy, steps: int, hidden_ms: float) -> tuple[float, float, list[bool]]:
@@ -32,7 +23,7 @@ def _world(policy: AdaptivePolicy, steps: int, hidden_ms: float) -> tuple[float,
     the second never; a step with any speculative round also costs the controller ``hidden_ms`` (bookkeeping that
     the one controller-time curve, by batch size, shares with plain steps). Returns the tokens and seconds of the
     last half, and which steps speculated."""
-    reqs = _requests(4)
+    reqs = decoding_requests(4)
     tokens = seconds = 0.0
     speculated = []
     for step in range(steps):

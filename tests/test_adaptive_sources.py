@@ -9,9 +9,9 @@ from scheduler.adaptive.costs import CostModel, Curve, StepLoad, StepTiming
 from scheduler.adaptive.plan import DRAFT, real_load
 from scheduler.adaptive.sources import Sources
 from scheduler.request import Request
-from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import ScheduledBatch
 from scheduler.spec_policy import SpecPolicy, TreeShape
+from tests.helpers_adaptive import decoding_requests
 
 MS = 1e-3
 MATCH = "suffix"
@@ -30,14 +30,6 @@ def _costs(draft_ms_per_token: float) -> CostModel:
                      draft=_curve(lambda n: draft_ms_per_token * n * MS), state=_curve(lambda n: 0.0))
 
 
-def _requests(n: int) -> list[Request]:
-    reqs = []
-    for i in range(n):
-        r = Request(i, str(i), [1] * 16, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True))
-        r.output_token_ids = [2]
-        r.num_cached_target = r.num_cached_draft = r.num_tokens - 1
-        reqs.append(r)
-    return reqs
 
 
 def _policy(draft_ms: float, matches: dict[int, int], fallback_depth: int = 4) -> AdaptivePolicy:
@@ -64,7 +56,7 @@ def test_each_round_goes_to_the_source_priced_best() -> None:
     3). A cheap draft (0.5 ms a token): the model's 4 candidates beat the short match for request 1 and draft for
     request 2. A costly one (5 ms a token): the matches keep their rounds at no draft cost, and request 2 decodes
     plainly (its model round would lower the batch's rate)."""
-    reqs = _requests(3)
+    reqs = decoding_requests(3)
     for draft_ms, want in ((0.5, [MATCH, DRAFT, DRAFT]), (5.0, [MATCH, MATCH, "plain"])):
         policy = _policy(draft_ms=draft_ms, matches={0: 8, 1: 2})
         for _ in range(40):
@@ -80,7 +72,7 @@ def test_each_round_goes_to_the_source_priced_best() -> None:
 def test_a_proposer_that_is_never_accepted_loses_its_rounds_to_the_model() -> None:
     """The choice follows each source's own measured acceptance: matches whose proposals are always rejected
     give way to a cheap draft model that is right."""
-    reqs = _requests(2)
+    reqs = decoding_requests(2)
     policy = _policy(draft_ms=0.05, matches={0: 8, 1: 8})
     seen = [_step(policy, reqs, {MATCH: 0, DRAFT: 4}, draft_ms=0.05) for _ in range(80)]
     assert seen[-1] == [DRAFT, DRAFT]

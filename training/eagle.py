@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from training.eagle_distill import DistillConfig
+from training.eagle_distill import DistillConfig, descend
 from training.eagle_layout import head_config_dict, save_head
 from workers.attention import DenseCausalContext
 from workers.eagle.head import EagleHead
@@ -140,10 +140,7 @@ def train_head(target_path: str, seqs: list[list[int]], out: str, cfg: EagleTrai
         for g in opt.param_groups:  # cosine to 10 %, on the step budget
             g["lr"] = cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.steps))))
         loss, agree = ttt_loss(head, batch, aux, logits, ids, cfg.ttt_steps, cfg.ttt_decay)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        descend(opt, head, loss)
         step += 1
         if step % 50 == 0 or step == 1:
             log(f"eagle: step {step}, loss {loss.item():.4f}, top-1 agreement {agree:.3f}, "

@@ -100,6 +100,14 @@ class Batch:
         return out.masked_fill((self.prev < 0)[:, None], 0.0)
 
 
+
+def descend(opt: torch.optim.Optimizer, head: torch.nn.Module, loss: torch.Tensor) -> None:
+    """One optimiser step on ``loss``, gradients clipped to norm 1 (both EAGLE trainers)."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+
 def ttt_loss(head: EagleHead, b: Batch, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
     """Weighted cross-entropy over ``steps`` training-time-test steps; each step's top-1 agreement."""
     ctx = TTTContext(b.lens)
@@ -175,10 +183,7 @@ def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: 
         b = Batch(sample_batch(rng, gen, text, cfg), local)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, agree = ttt_loss(head, b, cfg.ttt_steps, cfg.ttt_decay)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
+        descend(opt, head, loss)
         step += 1
         if step % 25 == 0 or step == 1:
             log(f"eagle: step {step}, loss {loss.item():.4f}, top-1 per step {[round(a, 3) for a in agree]}, "
