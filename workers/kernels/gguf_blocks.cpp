@@ -89,6 +89,17 @@ __attribute__((target("avx2,fma"))) void dots_avx2(const float* w, const float* 
 }
 
 // NB weight rows (stride k) at once: each x load serves NB output columns (y[r * ldy + c]).
+// y[r, c] = the fixed lane tree of acc[r][c], for every row r and weight row c of a tile (both AVX-512 kernels).
+template <int R, int NB>
+__attribute__((target("avx512f"))) inline void store_sums(__m512 (&acc)[R][NB], float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NB; ++c) {
+      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
+      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
+      y[r * ldy + c] = tree_sum(lo, hi);
+    }
+}
+
 template <int R, int NB>
 __attribute__((target("avx512f"))) void dots_avx512(const float* w, const float* x, int64_t k, float* y,
                                                     int64_t ldy) {
@@ -103,12 +114,7 @@ __attribute__((target("avx512f"))) void dots_avx512(const float* w, const float*
       for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NB; ++c) {
-      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-      y[r * ldy + c] = tree_sum(lo, hi);
-    }
+  store_sums<R, NB>(acc, y, ldy);
 }
 
 // Few rows (M <= kFusedRows) of Q4 weights: the weights are decoded in registers inside the dot loop (no buffer),
@@ -148,12 +154,7 @@ __attribute__((target("avx512f,f16c"))) void fused_avx512(const uint8_t* wrow, i
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NB; ++c) {
-      const __m256 lo = _mm512_castps512_ps256(acc[r][c]);
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][c]), 1));
-      y[r * ldy + c] = tree_sum(lo, hi);
-    }
+  store_sums<R, NB>(acc, y, ldy);
 }
 
 using Fused = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*, int64_t);
