@@ -28,7 +28,6 @@ class _Sums:
     tokens: float = 0.0
     seconds: float = 0.0
     steps: float = 0.0
-    since: int = 0  # steps of this bucket since this kind last ran
 
 
 @dataclass
@@ -42,14 +41,9 @@ class RealizedRates:
         if tokens <= 0 or seconds <= 0:
             return
         b, d = bucket(num_seqs), self.config.realized_decay
-        kinds = set(sources) or {PLAIN}
-        for (sb, kind), s in self._sums.items():
-            if sb == b and kind not in kinds:
-                s.since += 1
-        for kind in kinds:
+        for kind in set(sources) or {PLAIN}:
             s = self._sums.setdefault((b, kind), _Sums())
             s.tokens, s.seconds, s.steps = d * s.tokens + tokens, d * s.seconds + seconds, d * s.steps + 1.0
-            s.since = 0
 
     def rate(self, num_seqs: int, kind: str = DRAFT) -> float | None:
         """Tokens per second of this kind of step (``PLAIN`` or a source) at this batch size; None before
@@ -68,7 +62,3 @@ class RealizedRates:
             return 0.0
         s, p = self._sums[bucket(num_seqs), source], self._sums[bucket(num_seqs), PLAIN]
         return (s.seconds / s.steps) * (1.0 - spec / plain) / (p.seconds / p.steps)
-
-    def steps_since(self, num_seqs: int, kind: str = DRAFT) -> int:
-        s = self._sums.get((bucket(num_seqs), kind))
-        return s.since if s is not None else 0
