@@ -26,7 +26,7 @@ def build_drafter(spec: SpeculativeConfig | None, executor, scheduler: Scheduler
     calls = DraftCalls(executor, times, draft_tables)  # draftless: never called
     if spec.method == LAYER_SKIP:  # the target drafts itself; its passes' times go where a draft worker's would
         return LayerSkipDrafter(executor, times, scheduler.target_blocks.tables, calls), calls, None
-    if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker (layer_skip: the target)
+    if spec.method in DRAFTLESS_METHODS or spec.draft_spec is None:  # no draft worker
         return draftless_drafter(spec, stats, executor, times, scheduler), calls, None
     if spec.pipeline:
         policy = scheduler.policy

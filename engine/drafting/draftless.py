@@ -8,8 +8,6 @@ from engine.core.metrics import SpecDecodingStats, StepTimes
 from engine.drafting.controller_drafter import ControllerDrafter, FallbackDrafter
 from engine.drafting.drafter import DraftCalls, Drafter, SequentialDrafter
 from engine.drafting.draftless_config import DRAFTLESS_METHODS, ngram_config, suffix_config
-from engine.drafting.layer_skip import LayerSkipDrafter
-from engine.drafting.layer_skip_config import LAYER_SKIP
 from engine.drafting.ngram import NgramProposer
 from engine.drafting.suffix import SuffixProposer
 from scheduler.adaptive import AdaptivePolicy
@@ -21,10 +19,7 @@ __all__ = ["DRAFTLESS_METHODS", "draftless_drafter"]
 
 def draftless_drafter(spec: Any, stats: SpecDecodingStats, executor: Any, times: StepTimes,
                       scheduler: Scheduler) -> Drafter:
-    """``spec``: a SpeculativeConfig whose method is draftless (engine/core/config.py), or layer_skip (the
-    target drafts itself: engine/drafting/layer_skip.py)."""
-    if spec.method == LAYER_SKIP:
-        return LayerSkipDrafter(executor, times, scheduler.target_blocks.tables)
+    """``spec``: a SpeculativeConfig whose method is draftless (engine/core/config.py)."""
     proposer = (NgramProposer(ngram_config(spec)) if spec.method == "ngram" else SuffixProposer(suffix_config(spec)))
     primary = ControllerDrafter(proposer, stats)
     policy = scheduler.policy
