@@ -77,10 +77,9 @@ class BlockHead(_BlockTable):
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """hidden [N, E] -> [N, V] float32; row-invariant whatever ``row_invariant`` says (one kernel for all)."""
-        h = hidden.float().contiguous()  # [N, E]
-        if self.activations == "q8":
-            return gguf_blocks.block_matmul_q8(h, self.packed, self.qtype, self.vocab_size)
-        return gguf_blocks.block_matmul(h, self.blocks, self.qtype)
+        held = self.packed if self.activations == "q8" else self.blocks
+        return gguf_blocks.held_matmul(hidden.float().contiguous(), held, self.qtype, self.vocab_size,
+                                       self.activations)  # [N, V]
 
 
 def quantize_head(model: nn.Module, weights: list[tuple[str, Any]],

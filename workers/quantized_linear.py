@@ -118,10 +118,9 @@ class BlockLinear(nn.Module):
         self.register_buffer("blocks", gguf_blocks.pack_q8(blocks, qtype) if activations == "q8" else blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float().contiguous()  # [T, in]
-        if self.activations == "q8":
-            return gguf_blocks.block_matmul_q8(xf, self.blocks, self.qtype, self.out_features).to(x.dtype)
-        return gguf_blocks.block_matmul(xf, self.blocks, self.qtype).to(x.dtype)  # [T, out]
+        y = gguf_blocks.held_matmul(x.float().contiguous(), self.blocks, self.qtype, self.out_features,
+                                    self.activations)  # [T, out]
+        return y.to(x.dtype)
 
     def nbytes(self) -> int:
         return self.blocks.numel()

@@ -143,6 +143,14 @@ def block_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, isa: str = "
     return torch.ops.specserve_gguf.mm(x, blocks, qtype, -1 if isa == "auto" else ISA[isa])
 
 
+def held_matmul(x: torch.Tensor, held: torch.Tensor, qtype: int, n: int, activations: str) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> [M, n] float32, W ``held`` as the engine keeps it: the file's blocks ("f32"), or
+    packed by ``pack_q8`` ("q8")."""
+    if activations == "q8":
+        return block_matmul_q8(x, held, qtype, n)
+    return block_matmul(x, held, qtype)
+
+
 def pack_q8(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """File blocks [N, bytes] -> the "q8" kernel's layout [ceil(N / 16), K / 32, bytes] uint8 (gguf_q8.cpp)."""
     return torch.ops.specserve_gguf.pack_q8(blocks, qtype)
