@@ -100,13 +100,13 @@ class Batch:
         return out.masked_fill((self.prev < 0)[:, None], 0.0)
 
 
-
 def descend(opt: torch.optim.Optimizer, head: torch.nn.Module, loss: torch.Tensor) -> None:
     """One optimiser step on ``loss``, gradients clipped to norm 1 (both EAGLE trainers)."""
     opt.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
     opt.step()
+
 
 def ttt_loss(head: EagleHead, b: Batch, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
     """Weighted cross-entropy over ``steps`` training-time-test steps; each step's top-1 agreement."""
