@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from engine.drafting.draftless_config import DRAFTLESS_METHODS
 from scheduler.adaptive import AdaptivePolicy
 from scheduler.adaptive.costs import CostModel
 from scheduler.sampling_params import SamplingParams
@@ -54,9 +55,9 @@ def build_policy(spec: SpeculativeConfig, tree: TreeShape, max_model_len: int, d
     if not spec.is_adaptive:
         return base
     policy = AdaptivePolicy(base)
-    if spec.model is None and spec.fallback is None and spec.method != "layer_skip":
-        # draftless: proposals cost the controller, not a draft forward (never measured); layer_skip's drafts are
-        # the target's own passes and a fallback's are a model's, both measured like a draft's
+    if spec.method in DRAFTLESS_METHODS and spec.fallback is None:
+        # proposals cost the controller, not a draft forward (never measured); a fallback's drafts are a model's
+        # and layer_skip's the target's own passes, both measured like a draft's
         for costs in (policy.costs, policy.sampled_costs):
             for tokens in (1, 2):
                 costs.draft.observe(tokens, 0.0)
