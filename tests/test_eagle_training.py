@@ -94,3 +94,21 @@ def test_training_time_test_attends_as_drafting_does() -> None:
                 vals = torch.stack([v[t][off + i] for t, i in rows]).repeat_interleave(hq // hkv, 1)
                 p = (torch.einsum("hd,lhd->hl", q[s][off + j], keys) / math.sqrt(d)).softmax(-1)
                 assert torch.allclose(out[s][off + j], torch.einsum("hl,lhd->hd", p, vals), atol=1e-5), (s, j)
+
+
+def test_equal_length_batches_attend_as_the_per_sequence_loop() -> None:
+    """Sequences of one length (padded batches: training/eagle_online.py) take a batched path; it computes what the
+    per-sequence loop computes, at every training-time-test step."""
+    import torch
+
+    from training.eagle_distill import TTTContext
+
+    torch.manual_seed(1)
+    b, n, hq, hkv, d = 3, 6, 6, 2, 4
+    q, k, v = ([torch.randn(b * n, h, d) for _ in range(3)] for h in (hq, hkv, hkv))
+    one = [torch.zeros(1, h, d) for h in (hq, hkv, hkv)]  # a 1-row extra sequence: unequal lengths, the loop path
+    uniform, loop = TTTContext([n] * b), TTTContext([n] * b + [1])
+    for s in range(3):
+        got = uniform.attend(0, q[s], k[s], v[s])
+        want = loop.attend(0, *(torch.cat([x[s], z]) for x, z in zip((q, k, v), one, strict=True)))[: b * n]
+        assert torch.allclose(got, want, atol=1e-5), s

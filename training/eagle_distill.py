@@ -52,6 +52,8 @@ class TTTContext:
         self.vs.append(v)
         s = len(self.ks) - 1
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        if len(set(self.lens)) == 1:  # padded batches (training/eagle_online.py): the same sums, batched
+            return self._attend_uniform(q, s)
         outs, start = [], 0
         for n in self.lens:
             sl = slice(start, start + n)
@@ -74,6 +76,31 @@ class TTTContext:
                 o = o + p[..., n + t: n + t + 1] * vt
             outs.append(o.transpose(0, 1))  # [n, Hq, D]
         return torch.cat(outs, dim=0)
+
+    def _attend_uniform(self, q: torch.Tensor, s: int) -> torch.Tensor:
+        """``attend`` for B sequences of one length n, as one batched computation (a GPU wants few large calls)."""
+        n = self.lens[0]
+        b, hq, d = len(self.lens), q.shape[1], q.shape[2]
+        hkv = self.ks[0].shape[1]
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [B * n, Hkv, D] -> [B, Hq, n, D]
+            return x.view(b, n, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+
+        qs = q.view(b, n, hq, d).transpose(1, 2)  # [B, Hq, n, D]
+        j = torch.arange(n, device=q.device)
+        scores = [(qs @ heads(self.ks[0]).transpose(2, 3)).masked_fill(j[None, :] > (j[:, None] - s),
+                                                                       float("-inf"))]  # [B, Hq, n, n]
+        vals = []
+        for t in range(1, s + 1):  # step t's key at row j - (s - t)
+            src = (j - (s - t)).clamp(min=0)
+            kt = heads(self.ks[t])[:, :, src]  # [B, Hq, n, D]
+            vals.append(heads(self.vs[t])[:, :, src])
+            scores.append((qs * kt).sum(-1, keepdim=True).masked_fill((j < s - t)[:, None], float("-inf")))
+        p = torch.softmax(torch.cat(scores, dim=-1) / math.sqrt(d), dim=-1)  # [B, Hq, n, n + s]
+        o = p[..., :n] @ heads(self.vs[0])  # [B, Hq, n, D]
+        for t, vt in enumerate(vals):
+            o = o + p[..., n + t: n + t + 1] * vt
+        return o.transpose(1, 2).reshape(b * n, hq, d)
 
 
 class Batch:

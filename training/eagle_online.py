@@ -1,0 +1,341 @@
+"""python -m training.eagle_online: write the data and train an EAGLE-3 head with the target beside it (a GPU).
+
+On this project's 2-core CPU the SmolLM2 head was limited by data: the target answered ~400 instructions in 35
+minutes (43k tokens) and the head overfit (held-out top-1 0.42, train 0.73). With an accelerator the target writes
+millions of answer tokens in minutes, and its features and laws are computed for every batch as training runs (no
+cache to store). The objective is training/eagle_distill.py's (training-time test, answer positions only, the
+target's top-32 law on the draft vocabulary); the head is written in the published layout.
+
+    python -m training.eagle_online --target smollm2 --out runs/head_gpu --device cuda \\
+        --samples 12 --self-instruct 8192 --gen-minutes 3 --minutes 4 --tokens 32768
+    python -m training.eagle_online --target smollm2 --out /tmp/q --quick     # a CPU smoke run of ~a minute
+
+Data, all written by the target (no data set): ``samples`` answers to each composed training instruction
+(training/smollm2_draft.py's templates x topics, its held-out tenth never used; one greedy, the rest sampled at
+``temperatures`` in turn), plus ``self_instruct`` instructions the target writes itself when its chat template is
+opened at a user turn (Magpie's trick: no seed data), each answered greedily and at T = 0.8. The held-out
+instructions' greedy answers give the teacher-forced agreement the run reports. The answers are kept
+(OUT/gen-N.jsonl.gz, training.smollm2_draft's ``gen.jsonl`` rows) so a CPU run can train from them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.eagle_distill import DistillConfig, descend, draft_local, ttt_loss
+
+CACHE_TOPK = 32  # the target's law kept per position (the head learns its top; as training/eagle_cache.py)
+
+
+@dataclass
+class GenConfig:
+    minutes: float = 3.0  # wall-clock budget for all answers (instructions answered first, then self-instruct)
+    samples: int = 8  # answers per training instruction: 1 greedy + sampled ones (more: more varied contexts)
+    temperatures: tuple[float, ...] = (0.8, 0.6, 1.0)  # the sampled answers' temperatures, in turn
+    self_instruct: int = 4096  # instructions the target writes itself (0: none); each answered twice
+    max_tokens: int = 192  # answer length cap (longer: fewer answers in the budget)
+    batch: int = 1024  # sequences per generate call (memory: KV of batch x (prompt + max_tokens))
+    instructions: int | None = None  # the first N training (and N / 9 held-out) instructions; None: all 1,080
+    seed: int = 0
+
+
+@dataclass
+class Seq:
+    ids: list[int]  # prompt + answer
+    answer_start: int
+
+
+def chat_prefix(tok: Any) -> list[int] | None:
+    """The chat template's ids up to where a user's message starts (None without a template)."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    mark = "\u2063MSG\u2063"
+    text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=True)
+    return list(tok(text.split(mark)[0], add_special_tokens=False)["input_ids"])
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: list[list[int]], temperature: float, max_tokens: int, batch: int,
+             eos: int, pad: int, deadline: float, seed: int) -> list[list[int] | None]:
+    """Each prompt's continuation up to ``eos`` (kept) or ``max_tokens``; None for prompts the deadline left."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad little
+    out: list[list[int] | None] = [None] * len(prompts)
+    for b in range(0, len(order), batch):
+        if time.perf_counter() > deadline:
+            break
+        idx = order[b: b + batch]
+        n = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), n), pad, dtype=torch.long)  # [B, n], left-padded
+        mask = torch.zeros(len(idx), n, dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, n - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, n - len(prompts[i]):] = 1
+        torch.manual_seed(seed + b)
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+            "do_sample": False}
+        seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
+                              eos_token_id=eos, pad_token_id=pad, **sample)[:, n:].tolist()  # [B, <= max_tokens]
+        for r, i in enumerate(idx):
+            toks = seqs[r]
+            out[i] = toks[: toks.index(eos) + 1] if eos in toks else toks
+    return out
+
+
+def write_data(target: str, tok: Any, model: torch.nn.Module, cfg: GenConfig, work: Path, log=print
+               ) -> tuple[list[dict], list[dict]]:
+    """The training rows and the held-out rows ({"index", "prompt_ids", "answer_ids", "temperature"})."""
+    from training.smollm2_draft import _chat_ids, compose_prompts, is_heldout
+
+    start = time.perf_counter()
+    deadline = start + cfg.minutes * 60
+    eos = tok.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    prompts = compose_prompts()
+    held = [(i, _chat_ids(tok, p)) for i, p in enumerate(prompts) if is_heldout(i)]
+    train = [(i, _chat_ids(tok, p)) for i, p in enumerate(prompts) if not is_heldout(i)]
+    if cfg.instructions is not None:
+        train, held = train[: cfg.instructions], held[: max(1, cfg.instructions // 9)]
+    rows: list[dict] = []
+
+    def answer(items: list[tuple[int, list[int]]], temperature: float, seed: int) -> list[dict]:
+        got = generate(model, [p for _, p in items], temperature, cfg.max_tokens, cfg.batch, eos, pad, deadline, seed)
+        return [{"index": i, "prompt_ids": p, "answer_ids": a, "temperature": temperature}
+                for (i, p), a in zip(items, got, strict=True) if a]
+
+    def self_written() -> None:
+        prefix = chat_prefix(tok)
+        if not cfg.self_instruct or prefix is None or time.perf_counter() > deadline:
+            return
+        asks = generate(model, [prefix] * cfg.self_instruct, 1.0, 64, cfg.batch, eos, pad, deadline, cfg.seed + 7)
+        texts = {tok.decode([t for t in a if t != eos], skip_special_tokens=True).strip() for a in asks if a
+                 and a[-1] == eos}  # finished user turns only
+        own = [(100_000 + j, _chat_ids(tok, x)) for j, x in enumerate(sorted(x for x in texts if 8 <= len(x) <= 400))]
+        for t in (0.0, 0.8):
+            rows.extend(answer(own, t, cfg.seed + 99 + int(10 * t)))
+        log(f"gen: {len(own)} self-written instructions answered, {len(rows)} answers in all, "
+            f"{time.perf_counter() - start:.0f} s")
+
+    heldout = answer(held, 0.0, cfg.seed)
+    # one greedy answer each, then the sampled copies by temperature (one generate stream per temperature: full
+    # batches); the self-written instructions after the first temperature, so a short budget still has some
+    copies = [cfg.temperatures[s % len(cfg.temperatures)] for s in range(cfg.samples - 1)]
+    groups = [(0.0, 1)] + [(t, copies.count(t)) for t in cfg.temperatures if copies.count(t)]
+    for g, (t, n) in enumerate(groups):
+        rows += answer(train * n, t, cfg.seed + 1000 * (g + 1))
+        log(f"gen: {n} answer(s) each at T = {t}, {len(rows)} answers, "
+            f"{sum(len(r['answer_ids']) for r in rows)} tokens, {time.perf_counter() - start:.0f} s")
+        if g == 1 or len(groups) == 1:
+            self_written()
+    work.mkdir(parents=True, exist_ok=True)
+    for part in range(0, len(rows), 30_000):  # parts of <= ~12 MB compressed
+        with gzip.open(work / f"gen-{part // 30_000}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows[part: part + 30_000])
+    with open(work / "heldout.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in heldout)
+    log(f"gen: done, {len(rows)} answers, {len(heldout)} held out, {time.perf_counter() - start:.0f} s")
+    return rows, heldout
+
+
+class PaddedBatch:
+    """training/eagle_distill.py's ``Batch`` for B right-padded sequences of one length L (rows N = B * L), built on
+    the target's device from the target's own forward (the padding rows are never scored, never attended to)."""
+
+    def __init__(self, seqs: list[Seq], teacher: torch.nn.Module, aux_layers: tuple[int, ...], local: torch.Tensor,
+                 chunk: int = 32) -> None:
+        device = local.device
+        b, n = len(seqs), max(len(s.ids) for s in seqs)
+        self.lens = [n] * b
+        ids = torch.zeros(b, n, dtype=torch.long)
+        label = torch.zeros(b, n, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s.ids)] = torch.tensor(s.ids)
+            label[i, max(s.answer_start - 1, 0): len(s.ids) - 1] = True  # position j predicts token j + 1
+        ids, label = ids.to(device), label.to(device)
+        aux, top_ids, top_lp = [], [], []
+        with torch.no_grad():
+            for c in range(0, b, chunk):  # the full-vocabulary logits of a chunk only
+                out = teacher(ids[c: c + chunk], output_hidden_states=True)  # right pads: causal rows never see them
+                aux.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float())  # [b, n, F]
+                top = torch.log_softmax(out.logits.float(), dim=-1).topk(CACHE_TOPK, dim=-1)
+                top_ids.append(top.indices)
+                top_lp.append(top.values)
+        self.tokens = ids.reshape(-1)  # [N]
+        self.pos = torch.arange(n, device=device).repeat(b)  # [N]
+        self.prev = torch.arange(b * n, device=device) - 1  # [N]
+        self.prev[self.pos == 0] = -1
+        self.aux = torch.cat(aux).reshape(b * n, -1)  # [N, F]
+        rows = local[torch.cat(top_ids).reshape(b * n, -1)]  # [N, k] draft row of each label id, -1 off it
+        lp = torch.cat(top_lp).reshape(b * n, -1).masked_fill(rows < 0, float("-inf"))
+        self.p = torch.softmax(lp, dim=-1).nan_to_num(0.0)  # [N, k]
+        self.rows = rows.clamp(min=0)
+        self.top1 = torch.where(rows[:, 0] >= 0, rows[:, 0], -1)  # [N]
+        self.mask = label.reshape(-1) & (self.p.sum(-1) > 0)  # [N]
+
+    def shift(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, H]: each row gets the row before it (zeros at a sequence start)."""
+        return x[self.prev.clamp(min=0)].masked_fill((self.prev < 0)[:, None], 0.0)
+
+
+def batches(seqs: list[Seq], tokens: int, rng: random.Random) -> list[list[Seq]]:
+    """Sequences sorted by length, cut into batches of about ``tokens`` padded rows, in a shuffled order."""
+    order = sorted(seqs, key=lambda s: len(s.ids))
+    out, cur = [], []
+    for s in order:
+        if cur and (len(cur) + 1) * len(s.ids) > tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def train(teacher: torch.nn.Module, head: torch.nn.Module, aux_layers: tuple[int, ...], data: list[Seq],
+          held: list[Seq], cfg: DistillConfig, checkpoint=None, log=print) -> dict:
+    """Train ``head`` in place for ``cfg.minutes`` (cosine on the wall clock); features come from ``teacher``."""
+    device = next(head.parameters()).device
+    local = draft_local(head.draft_ids, head.head_config.vocab_size).to(device)
+    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    start = last_eval = time.perf_counter()
+    step, epoch, history, agree, queue = 0, 0, [], [0.0], []
+    loss = torch.zeros(())
+
+    def heldout() -> list[float]:
+        head.eval()
+        tot, n = [0.0] * cfg.ttt_steps, 0
+        with torch.no_grad():
+            for chunk in batches(held, cfg.tokens, random.Random(0)):
+                b = PaddedBatch(chunk, teacher, aux_layers, local)
+                _, a = ttt_loss(head, b, cfg.ttt_steps, 1.0)
+                m = int(b.mask.sum())
+                tot, n = [x + y * m for x, y in zip(tot, a, strict=True)], n + m
+        head.train()
+        return [round(x / max(n, 1), 4) for x in tot]
+
+    head.train()
+    while (elapsed := time.perf_counter() - start) < cfg.minutes * 60:
+        if not queue:
+            queue, epoch = batches(data, cfg.tokens, rng), epoch + 1
+        frac = elapsed / (cfg.minutes * 60)
+        scale = min(1.0, (step + 1) / cfg.warmup_steps) * (
+            cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * scale
+        b = PaddedBatch(queue.pop(), teacher, aux_layers, local)
+        loss, agree = ttt_loss(head, b, cfg.ttt_steps, cfg.ttt_decay)
+        descend(opt, head, loss)
+        step += 1
+        if step % 50 == 0 or step == 1:
+            log(f"eagle: step {step} (epoch {epoch}), loss {loss.item():.4f}, top-1 per step "
+                f"{[round(a, 3) for a in agree]}, lr {cfg.lr * scale:.2e}, {time.perf_counter() - start:.0f} s")
+        if held and time.perf_counter() - last_eval > cfg.eval_every_s:
+            h = heldout()
+            history.append({"step": step, "seconds": round(time.perf_counter() - start), "heldout_top1": h})
+            log(f"eagle: held-out top-1 per step {h} at step {step}")
+            if checkpoint is not None:
+                checkpoint()
+            last_eval = time.perf_counter()
+    head.eval()
+    stats = {"steps": step, "epochs": epoch, "train_seconds": round(time.perf_counter() - start, 1),
+             "final_loss": round(loss.item(), 4), "train_top1": round(agree[0], 4), "history": history}
+    if held:
+        stats["heldout_top1_per_step"] = heldout()
+        stats["heldout_top1"] = stats["heldout_top1_per_step"][0]
+    return stats
+
+
+@dataclass
+class OnlineRun:
+    target: str
+    out: str
+    device: str = "cpu"
+    draft_vocab: int | None = 4096  # trimmed lm_head rows: the most frequent answer tokens
+    save_dtype: str = "float16"
+    gen: GenConfig = field(default_factory=GenConfig)
+    train: DistillConfig = field(default_factory=lambda: DistillConfig(tokens=32768, eval_every_s=60.0))
+
+
+def run(r: OnlineRun, log=print) -> dict:
+    from training.eagle import init_head
+    from training.eagle_layout import head_config_dict, save_head
+    from training.smollm2_draft import load_hf_target
+    from workers.eagle.head_config import EagleHeadConfig
+    from workers.gguf_loader import resolve_model_path
+    from workers.loader import load_tokenizer
+    from workers.model_config import ModelConfig
+
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = True  # the head's and the teacher's matmuls (labels, not a reference)
+    target = resolve_model_path(r.target)
+    tcfg = ModelConfig.from_pretrained(target)
+    tok = load_tokenizer(target)
+    teacher = load_hf_target(target).to(r.device)
+    # answers only: bfloat16 where it is fast (a GPU), speed over bits
+    writer = copy.deepcopy(teacher).to(torch.bfloat16) if r.device.startswith("cuda") else teacher
+    log(f"loaded {target} on {r.device} in {time.perf_counter() - t0:.0f} s")
+    rows, held_rows = write_data(target, tok, writer, r.gen, Path(r.out), log)
+    del writer
+    data = [Seq(x["prompt_ids"] + x["answer_ids"], len(x["prompt_ids"])) for x in rows]
+    held = [Seq(x["prompt_ids"] + x["answer_ids"], len(x["prompt_ids"])) for x in held_rows]
+    counts = torch.bincount(torch.tensor([t for x in rows for t in x["answer_ids"]]), minlength=tcfg.vocab_size)
+    draft_ids = sorted(counts.topk(min(r.draft_vocab, tcfg.vocab_size)).indices.tolist()) if r.draft_vocab else None
+    head, config = init_head(target, tcfg, teacher, draft_ids, r.train.seed)
+    head = head.to(r.device)
+    aux = EagleHeadConfig.from_dict(config).aux_layers(tcfg.num_layers)
+    ids = torch.tensor(draft_ids) if draft_ids else None
+    dtype = getattr(torch, r.save_dtype)
+    stats = train(teacher, head, tuple(aux), data, held, r.train,
+                  lambda: save_head(r.out, config, head, ids, dtype), log)
+    save_head(r.out, config, head, ids, dtype)
+    assert config == head_config_dict(tcfg, draft_vocab_size=len(draft_ids) if draft_ids else None)
+    stats.update(answers=len(rows), answer_tokens=int(sum(len(x["answer_ids"]) for x in rows)),
+                 heldout_sequences=len(held), device=r.device, total_seconds=round(time.perf_counter() - t0),
+                 gen=asdict(r.gen), config=asdict(r.train))
+    with open(os.path.join(r.out, "train_stats.json"), "w") as f:
+        json.dump(stats, f, indent=1)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m training.eagle_online", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2", help="smollm2, a GGUF file or a checkpoint directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--draft-vocab", type=int, default=OnlineRun.draft_vocab)
+    ap.add_argument("--samples", type=int, default=GenConfig.samples)
+    ap.add_argument("--self-instruct", type=int, default=GenConfig.self_instruct)
+    ap.add_argument("--max-tokens", type=int, default=GenConfig.max_tokens)
+    ap.add_argument("--gen-batch", type=int, default=GenConfig.batch)
+    ap.add_argument("--gen-minutes", type=float, default=GenConfig.minutes)
+    ap.add_argument("--minutes", type=float, default=4.0, help="training budget")
+    ap.add_argument("--tokens", type=int, default=32768, help="padded rows per optimiser step")
+    ap.add_argument("--lr", type=float, default=DistillConfig.lr)
+    ap.add_argument("--quick", action="store_true", help="a smoke run (tiny budgets; the weights are useless)")
+    a = ap.parse_args(argv)
+    gen = GenConfig(minutes=a.gen_minutes, samples=a.samples, self_instruct=a.self_instruct, max_tokens=a.max_tokens,
+                    batch=a.gen_batch)
+    tcfg = DistillConfig(minutes=a.minutes, tokens=a.tokens, lr=a.lr, eval_every_s=60.0)
+    if a.quick:
+        gen = GenConfig(minutes=0.5, samples=2, self_instruct=8, max_tokens=8, batch=64, instructions=18)
+        tcfg = DistillConfig(minutes=0.1, tokens=512, lr=a.lr, eval_every_s=3.0, warmup_steps=1)
+    stats = run(OnlineRun(a.target, a.out, a.device, a.draft_vocab, gen=gen, train=tcfg))
+    print(json.dumps({k: v for k, v in stats.items() if k not in ("config", "gen")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
