@@ -20,7 +20,6 @@ both against torch, and greedy text unchanged).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -101,7 +100,6 @@ class GluedLayer:
                                                    gu.weight, gu.qtype, gu.n, d.weight, d.qtype, d.n, o.isa, self.isa)
 
 
-@functools.lru_cache(maxsize=1)
 def _switched_on() -> bool:
     return os.environ.get("SPECSERVE_LAYER_GLUE", "1") != "0"
 
