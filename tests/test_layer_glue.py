@@ -185,7 +185,13 @@ def test_a_glued_forward_cut_in_pieces_equals_the_whole(tiny: torch.nn.Module) -
     def ctx() -> PagedContext:
         return PagedContext(batch.meta, cache, row_invariant=True)
 
-    whole = tiny(batch.input_ids, batch.positions, ctx())  # [7, H]
+    tiny.model.aux_layers = (1, -1)  # and the hidden states an EAGLE head reads: layer 1's input, the output
+    try:
+        whole = tiny(batch.input_ids, batch.positions, ctx())  # [7, H]
+        aux = tiny.model.aux_hidden  # [7, 2 H]
+    finally:
+        tiny.model.aux_layers, tiny.model.aux_hidden = (), None
     lower = run_layers(tiny, batch.input_ids, batch.positions, ctx(), 0, 1)
     pieces = tiny.model.norm(run_layers(tiny, batch.input_ids, batch.positions, ctx(), 1, cfg.num_layers, lower))
     assert torch.equal(pieces, whole)
+    assert torch.equal(aux, torch.cat([lower, whole], -1))
