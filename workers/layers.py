@@ -305,10 +305,9 @@ class RMSNorm(nn.Module):
         self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            from workers.kernels.layer_glue import add_rms_norm
-
-            return add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1].view(x.shape)
+        if self.native:  # workers.kernels.layer_glue.add_rms_norm (the library is loaded: the glue chose it)
+            normed = torch.ops.specserve_gguf.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1]
+            return normed.view(x.shape)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused call with the very same float32 arithmetic as below (bit-identical), minus ~6 op dispatches.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
