@@ -28,6 +28,9 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
 activations, alternating (each row count also as a ratio to the first, e.g. ``--profile-rows 1,4,5,8``).
 (``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
 that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
+``--profile --compare-glue``: the 4-bit target's layers as torch ops vs as the glued native calls
+(workers/kernels/layer_glue.py), one model switched back and forth; mode ``specserve_q4_noglue`` decodes without
+them (a "median" column beside the best tok/s).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -170,6 +175,9 @@ OP_CLASSES = {
     "aten::_weight_int4pack_mm_for_cpu": "int4 matmuls",
     "specserve_gguf::mm": "block matmuls (native)", "specserve_gguf::mm_q8": "block matmuls (native)",
     "specserve_gguf::rows": "copies, casts, gathers",
+    "specserve_gguf::layer_front": "layer glue (native: norms, RoPE, silu)",
+    "specserve_gguf::layer_back": "layer glue (native: norms, RoPE, silu)",
+    "specserve_gguf::add_rms_norm": "layer glue (native: norms, RoPE, silu)",
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
@@ -307,6 +315,33 @@ def compare_native(path: str, rows_list: list[int], steps: int, repeats: int, cp
               + "".join(f" {med[(name, rows)] / med[(name, rows_list[0])]:>15.2f}" for name in runs))
 
 
+def compare_glue(path: str, rows_list: list[int], steps: int, repeats: int, cpu_time: bool = False) -> None:
+    """ms per forward of the 4-bit target on the native kernel with its layers as torch ops and as the glued
+    native calls (workers/kernels/layer_glue.py), one model in this process switched back and forth ``repeats``
+    times; medians."""
+    import statistics
+
+    model, runner, table, prompt = _prompted_runner(path, "gguf")
+    clock = time.process_time if cpu_time else time.perf_counter
+    ms: dict[tuple[bool, int], list[float]] = {}
+    try:
+        for _ in range(repeats):
+            for glue in (False, True):
+                if model.model.set_glue(glue) != glue:
+                    raise SystemExit("the glued layers do not apply to this model (no native kernel?)")
+                for rows in rows_list:
+                    ms.setdefault((glue, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows),
+                                                                      steps, clock))
+    finally:
+        model.model.set_glue()
+    print(f"{'CPU' if cpu_time else 'wall'} ms per forward (rows of one verify chain), medians of {repeats} "
+          f"alternating runs of {steps} forwards; activations {model.quant_report.activations}")
+    print(f"{'rows':>5} {'torch ops':>10} {'glued':>8} {'glued / torch':>14}")
+    for rows in rows_list:
+        a, b = (statistics.median(ms[(glue, rows)]) for glue in (False, True))
+        print(f"{rows:>5} {a:>10.2f} {b:>8.2f} {b / a:>14.2f}")
+
+
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
     results = profile_forwards(path, quantization, rows_list, steps)
     from workers.kernels.gguf_blocks import available
@@ -347,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="with --compare-kernels, a float checkpoint in this dtype (default: the engine's choice)")
     ap.add_argument("--compare-native", action="store_true", help="with --profile: native GGUF kernel vs torch's")
+    ap.add_argument("--compare-glue", action="store_true",
+                    help="with --profile: the 4-bit target's layers as torch ops vs glued native calls")
     ap.add_argument("--batch-rows", action="store_true",
                     help="with --compare-kernels: rows are one-row decode steps of that many sequences")
     ap.add_argument("--cpu-time", action="store_true",
@@ -357,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and args.compare_native:
         compare_native(path, [int(r) for r in args.profile_rows.split(",")], args.profile_steps, args.repeats,
                        args.cpu_time)
+        return 0
+    if args.profile and args.compare_glue:
+        compare_glue(path, [int(r) for r in args.profile_rows.split(",")], args.profile_steps, args.repeats,
+                     args.cpu_time)
         return 0
     if args.profile and args.compare_kernels:
         compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
@@ -385,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode == "specserve_q4_torch":  # the native kernel switched off: torch's int4 path, float32 head
             runners[mode] = specserve_runner(path, "gguf", prompt, n, native=False)
+        elif mode == "specserve_q4_noglue":  # the native kernel, the layers as torch ops (no layer_glue.py)
+            with mock.patch.dict(os.environ, {"SPECSERVE_LAYER_GLUE": "0"}):
+                runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode in ("specserve_q4_f32", "specserve_q4_q8"):  # the native kernel with these activations
             runners[mode] = specserve_runner(path, "gguf", prompt, n, activations=mode.rpartition("_")[2])
         elif mode == "transformers":
@@ -402,22 +446,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     best: dict[str, float] = {}
     best_cpu: dict[str, float] = {}
+    rates: dict[str, list[float]] = {}  # every run's tok/s: the median column
     for _ in range(args.repeats):
         for mode, (run, _) in runners.items():
             start, cpu = time.perf_counter(), time.process_time()
             tokens = run()
             best[mode] = max(best.get(mode, 0.0), tokens / (time.perf_counter() - start))
             best_cpu[mode] = max(best_cpu.get(mode, 0.0), tokens / (time.process_time() - cpu))
+            rates.setdefault(mode, []).append(tokens / (time.perf_counter() - start))
     print(f"\nbatch 1, greedy, {n} tokens, {args.threads} torch thread(s) (llama_cpp_tN: N threads), "
           f"best of {args.repeats}; prompt {len(prompt)} "
           f"tokens; floor = weight bytes / {args.bandwidth_gbs:g} GB/s")
-    print(f"{'mode':<16} {'tok/s':>7} {'tok/cpu-s':>9} {'cpu ms/tok':>10} {'weights MB':>10} {'floor ms':>9}")
+    print(f"{'mode':<20} {'tok/s':>7} {'median':>7} {'tok/cpu-s':>9} {'cpu ms/tok':>10} {'weights MB':>10} "
+          f"{'floor ms':>9}")
     rows = []
     for mode, (_, nbytes) in runners.items():
         floor_ms = nbytes / (args.bandwidth_gbs * 1e9) * 1e3
-        print(f"{mode:<16} {best[mode]:>7.1f} {best_cpu[mode]:>9.1f} {1e3 / best_cpu[mode]:>10.2f} "
+        print(f"{mode:<20} {best[mode]:>7.1f} {statistics.median(rates[mode]):>7.1f} {best_cpu[mode]:>9.1f} "
+              f"{1e3 / best_cpu[mode]:>10.2f} "
               f"{nbytes / 1e6:>10.1f} {floor_ms:>9.2f}")
-        rows.append({"mode": mode, "tok_s": best[mode], "tok_per_cpu_s": best_cpu[mode], "weight_bytes": nbytes,
+        rows.append({"mode": mode, "tok_s": best[mode], "tok_s_median": statistics.median(rates[mode]),
+                     "tok_per_cpu_s": best_cpu[mode], "weight_bytes": nbytes,
                      "floor_ms": floor_ms})
     if args.json:
         with open(args.json, "w") as f:

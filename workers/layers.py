@@ -300,8 +300,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        # The native norm of workers/kernels/layer_glue.py (float32), set with a model's glued layers so that
+        # every path through the model computes the same bits (``LlamaModel.set_glue``).
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:  # workers.kernels.layer_glue.add_rms_norm (the library is loaded: the glue chose it)
+            normed = torch.ops.specserve_gguf.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[1]
+            return normed.view(x.shape)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused call with the very same float32 arithmetic as below (bit-identical), minus ~6 op dispatches.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

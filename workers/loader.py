@@ -89,6 +89,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
         from workers.quantized_linear import quantize_linears
 
         weights, model.quant_report = quantize_linears(model, weights)
+        if hasattr(model.model, "set_glue"):
+            model.model.set_glue()  # the layers as a few native calls each where they fit (layer_glue.py)
     model.load_weights(weights)
     return model.eval()
 

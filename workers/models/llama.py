@@ -18,6 +18,7 @@ from torch import nn
 
 from workers.attention import AttentionContext
 from workers.distributed import TPGroup
+from workers.kernels.layer_glue import GluedLayer, add_rms_norm, glued_layers
 from workers.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -79,6 +80,14 @@ class LlamaAttention(nn.Module):
         out = ctx.attend(self.layer_idx, q, k, v)  # [T, Hq / tp, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
 
+    def attend_qkv(self, qkv: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Attention on qkv [T, (Hq + 2 Hkv) D] whose q and k are already rotated -> [T, Hq D] (the glued path)."""
+        t, q_size = qkv.shape[0], self.qkv_proj.q_size
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = qkv[:, q_size:q_size + self.qkv_proj.kv_size].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = qkv[:, q_size + self.qkv_proj.kv_size:].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        return ctx.attend(self.layer_idx, q, k, v).reshape(t, self.num_heads * self.head_dim)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
@@ -99,9 +108,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.glued: GluedLayer | None = None  # this layer as native calls (``LlamaModel.set_glue``)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
+        if self.glued is not None:  # the bits of LlamaModel's glued loop, which adds the MLP's output later
+            hidden, qkv = self.glued.front(hidden, None, cos, sin)
+            hidden, mlp_out = self.glued.back(hidden, self.self_attn.attend_qkv(qkv, ctx))
+            return hidden + mlp_out
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -117,16 +131,50 @@ class LlamaModel(nn.Module):
         # as ``aux_hidden`` [T, len(aux_layers) * H] (workers/eagle/features.py); empty: nothing is kept.
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
+        # The layers as a few native calls each (workers/kernels/layer_glue.py), or None: the torch path.
+        self.glue: list[GluedLayer] | None = None
+
+    def set_glue(self, on: bool = True) -> bool:
+        """Run the layers and the final norm as native calls (``on``, where every layer fits: GGUF block weights on
+        the native kernel; the loader asks once per model) or as torch ops; returns whether they now are glued.
+        Every path through the layers (this forward, ``layer(...)`` one at a time, ``self.norm``) then computes
+        the same bits, so a forward cut in pieces (workers/layer_skip/) equals the whole."""
+        self.glue = glued_layers(self.layers) if on else None
+        for i, layer in enumerate(self.layers):
+            layer.glued = self.glue[i] if self.glue else None
+        self.norm.native = self.glue is not None
+        return self.glue is not None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb(positions)  # [T, 1, D] each, once for all layers
+        if self.glue is not None:
+            return self._forward_glued(self.glue, hidden, cos, sin, ctx)
         aux: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = hidden
             hidden = layer(hidden, cos, sin, ctx)
         out = self.norm(hidden)
+        if self.aux_layers:
+            aux[-1] = out
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
+        return out
+
+
+    def _forward_glued(self, glued: list[GluedLayer], hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       ctx: AttentionContext) -> torch.Tensor:
+        """The same layers as ``forward``'s loop, each as front, attention, back; the MLP's output is added to the
+        residual stream by the next call (the next front, or the final norm)."""
+        delta: torch.Tensor | None = None  # [T, H], not yet added to hidden
+        aux: dict[int, torch.Tensor] = {}
+        for i, (layer, g) in enumerate(zip(self.layers, glued, strict=True)):
+            if i in self.aux_layers:
+                hidden, delta = (hidden, None) if delta is None else (hidden + delta, None)
+                aux[i] = hidden
+            hidden, qkv = g.front(hidden, delta, cos, sin)  # [T, H], [T, (Hq + 2 Hkv) D]
+            hidden, delta = g.back(hidden, layer.self_attn.attend_qkv(qkv, ctx))
+        out = add_rms_norm(hidden, delta, self.norm.weight, self.norm.eps)[1]  # [T, H]
         if self.aux_layers:
             aux[-1] = out
             self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
