@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")  # float32 activations
-SOURCES = [SOURCE, SOURCE.with_name("gguf_q8.cpp")]  # + 8-bit activations; one library
+SOURCES = [SOURCE, SOURCE.with_name("gguf_q8.cpp"), SOURCE.with_name("row_attention.cpp")]  # + q8, attention
 HEADER = SOURCE.with_name("gguf_blocks.h")  # what both share
 ACTIVATIONS = ("f32", "q8")  # KernelConfig.gguf_activations
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, as the kernel takes them
@@ -237,6 +237,9 @@ def self_check() -> None:
                 assert torch.equal(block_matmul(x[m - 1:m + 1], blocks, qtype, isa, acts)[1], y[m]), \
                     f"{name} {acts} {isa}: rows"
             assert torch.equal(y, block_matmul(x, blocks, qtype, "scalar", acts)), f"{name} {acts} {isa}: paths differ"
+    from workers.kernels.row_attention import self_check as attention_check  # row_attention.cpp's op
+
+    attention_check()
 
 
 def main() -> None:
