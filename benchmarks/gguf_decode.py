@@ -175,6 +175,7 @@ OP_CLASSES = {
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "specserve_gguf::row_attention": "attention (native, all rows)",
     "aten::copy_": "copies, casts, gathers", "aten::index_select": "copies, casts, gathers",
     "aten::cat": "copies, casts, gathers", "aten::index_copy_": "copies, casts, gathers",
     "aten::zeros": "copies, casts, gathers", "aten::empty": "allocation", "aten::empty_strided": "allocation",

@@ -73,7 +73,9 @@ struct RowKeys {
     };
     for (int64_t j = 0; j < prefix; ++j) slots[j] = slot(j);
     for (int64_t e = 0; e < extras; ++e) slots[prefix + e] = slot(index[r[2] + e]);
-    return prefix + extras;
+    const int64_t n = prefix + extras;
+    slots.resize((n + kLanes - 1) / kLanes * kLanes, n > 0 ? slots[0] : 0);  // whole 16-key blocks (ignored)
+    return n;
   }
 };
 
@@ -142,21 +144,62 @@ __attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(bits));
 }
 
+// The lane trees of 16 keys' accumulators at once: out[i] = the tree of acc[i] (lanes l + 8, then + 4, + 2, + 1,
+// the pairs of lane_sum; a + b == b + a exactly, so which operand comes first does not matter), by transposing
+// shuffles instead of 16 separate trees.
+__attribute__((target("avx512f"))) inline __m512 trees16(const __m512 (&acc)[kLanes]) {
+  __m512 a8[8], a4[4], a2[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // [key 2i: t_l + t_l+8, l < 8 | key 2i + 1: the same]
+    a8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // 128-bit chunk c: key 4i + c, t_l + t_l+4, l < 4
+    a4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // chunk c: [key 8i + c: t_0 + t_2, t_1 + t_3 | key 8i + 4 + c: the same]
+    a2[i] = _mm512_add_ps(_mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0xEE));
+  // chunk c: keys c, 4 + c, 8 + c, 12 + c; then into key order
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(a2[0], a2[1], 0x88), _mm512_shuffle_ps(a2[0], a2[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// Scores of g heads (q + h qs) against all n keys: s[h es + j] = tree(16 lanes over d) * scale, 16 keys at a time,
+// every head of a block before the next block (its keys, read once from L2, serve the other heads from L1).
 template <int NV>
-__attribute__((target("avx512f"))) void head_avx512(const float* q, const float* k, const float* v, int64_t ld,
-                                                    const int64_t* slots, int64_t n, int64_t d, float scale,
-                                                    float* s, float* out) {
+__attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t qs, int64_t g, const float* k,
+                                                      int64_t ld, const int64_t* slots, int64_t n, int64_t d,
+                                                      float scale, float* s, int64_t es) {
   const __mmask16 tail = d % kLanes == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (d % kLanes)) - 1);
-  auto mask = [&](int c) { return c == NV - 1 ? tail : __mmask16(0xFFFF); };
-  __m512 qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = _mm512_maskz_loadu_ps(mask(c), q + c * kLanes);
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + slots[j] * ld;
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(mask(c), kj + c * kLanes), acc);
-    s[j] = tree16(acc) * scale;
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {  // slots holds whole blocks: keys past n are computed, not kept
+    const int64_t keys = std::min<int64_t>(kLanes, n - j0);
+    const __mmask16 live = keys == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << keys) - 1);
+    for (int64_t h = 0; h < g; ++h) {
+      __m512 qv[NV];
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) qv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : 0xFFFF, q + h * qs + c * kLanes);
+      __m512 acc[kLanes];
+#pragma GCC unroll 16
+      for (int i = 0; i < kLanes; ++i) {
+        const float* kj = k + slots[j0 + i] * ld;
+        acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c)
+          acc[i] = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(c == NV - 1 ? tail : 0xFFFF, kj + c * kLanes),
+                                   acc[i]);
+      }
+      _mm512_mask_storeu_ps(s + h * es + j0, live, _mm512_mul_ps(trees16(acc), sc));
+    }
   }
+}
+
+// s[0, n) -> exp_fixed(s - max) in place; returns their sum (16 lanes over keys, the lane tree).
+__attribute__((target("avx512f"))) float softmax_avx512(float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
   float m = -INFINITY;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
@@ -170,24 +213,65 @@ __attribute__((target("avx512f"))) void head_avx512(const float* q, const float*
     _mm512_mask_storeu_ps(s + j, live, e);
     lanes = _mm512_add_ps(lanes, e);
   }
-  const __m512 l = _mm512_set1_ps(tree16(lanes));
-  __m512 o[NV];
-  for (int c = 0; c < NV; ++c) o[c] = _mm512_setzero_ps();
-  for (j = 0; j < n; ++j) {
-    const float* vj = v + slots[j] * ld;
-    const __m512 e = _mm512_set1_ps(s[j]);
-    for (int c = 0; c < NV; ++c) o[c] = _mm512_fmadd_ps(e, _mm512_maskz_loadu_ps(mask(c), vj + c * kLanes), o[c]);
-  }
-  for (int c = 0; c < NV; ++c) _mm512_mask_storeu_ps(out + c * kLanes, mask(c), _mm512_div_ps(o[c], l));
+  return tree16(lanes);
 }
 
-using HeadFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*, int64_t, int64_t, float,
-                        float*, float*);
-HeadFn avx512_head(int64_t d) {
-  static const HeadFn fns[kMaxVectors] = {head_avx512<1>, head_avx512<2>, head_avx512<3>, head_avx512<4>,
-                                          head_avx512<5>, head_avx512<6>, head_avx512<7>, head_avx512<8>};
-  const int64_t nv = (d + kLanes - 1) / kLanes;
-  return nv <= kMaxVectors ? fns[nv - 1] : nullptr;
+// HB heads' weighted value sums at once (each its own accumulators, keys in increasing order): out[h] = o / l[h].
+template <int NV, int HB>
+__attribute__((target("avx512f"))) void values_avx512(const float* e, int64_t es, const float* v, int64_t ld,
+                                                      const int64_t* slots, int64_t n, int64_t d, const float* l,
+                                                      float* out) {
+  const __mmask16 tail = d % kLanes == 0 ? __mmask16(0xFFFF) : __mmask16((1u << (d % kLanes)) - 1);
+  __m512 o[HB * NV];
+#pragma GCC unroll 32
+  for (int x = 0; x < HB * NV; ++x) o[x] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + slots[j] * ld;
+    __m512 vv[NV];
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_maskz_loadu_ps(c == NV - 1 ? tail : 0xFFFF, vj + c * kLanes);
+#pragma GCC unroll 4
+    for (int h = 0; h < HB; ++h) {
+      const __m512 w = _mm512_set1_ps(e[h * es + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) o[h * NV + c] = _mm512_fmadd_ps(w, vv[c], o[h * NV + c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < HB; ++h) {
+    const __m512 lv = _mm512_set1_ps(l[h]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c)
+      _mm512_mask_storeu_ps(out + h * d + c * kLanes, c == NV - 1 ? tail : 0xFFFF, _mm512_div_ps(o[h * NV + c], lv));
+  }
+}
+
+constexpr int kMaxHeads = 4;  // heads a value pass carries (HB x NV accumulators + NV values in 32 registers)
+using ScoresFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, int64_t,
+                          float, float*, int64_t);
+using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t, const int64_t*, int64_t, int64_t,
+                          const float*, float*);
+#define SPECSERVE_NV(fn, ...) {fn<1, ##__VA_ARGS__>, fn<2, ##__VA_ARGS__>, fn<3, ##__VA_ARGS__>, \
+    fn<4, ##__VA_ARGS__>, fn<5, ##__VA_ARGS__>, fn<6, ##__VA_ARGS__>, fn<7, ##__VA_ARGS__>, fn<8, ##__VA_ARGS__>}
+
+// One (row, kv head) task: the G query heads q[h] (stride qs) that read it -> out[h] (stride d).
+void task_avx512(const float* q, int64_t qs, int64_t g, const float* k, const float* v, int64_t ld,
+                 const int64_t* slots, int64_t n, int64_t d, float scale, std::vector<float>& s, float* out) {
+  static const ScoresFn scores[kMaxVectors] = SPECSERVE_NV(scores_avx512);
+  static const ValuesFn values[kMaxHeads][kMaxVectors] = {SPECSERVE_NV(values_avx512, 1),
+                                                          SPECSERVE_NV(values_avx512, 2),
+                                                          SPECSERVE_NV(values_avx512, 3),
+                                                          SPECSERVE_NV(values_avx512, 4)};
+  const int64_t nv = (d + kLanes - 1) / kLanes, es = (n + kLanes - 1) / kLanes * kLanes;
+  s.resize(g * es);
+  float l[64];
+  scores[nv - 1](q, qs, g, k, ld, slots, n, d, scale, s.data(), es);
+  for (int64_t h = 0; h < g; ++h) l[h] = softmax_avx512(s.data() + h * es, n);
+  const int64_t hb = std::max<int64_t>(1, std::min<int64_t>(kMaxHeads, 16 / nv));
+  for (int64_t h = 0; h < g; h += hb) {
+    const int64_t heads = std::min(hb, g - h);
+    values[heads - 1][nv - 1](s.data() + h * es, es, v, ld, slots, n, d, l + h, out + h * d);
+  }
 }
 #endif
 
@@ -210,9 +294,7 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& k, const at::
   if (t == 0) return out;
   const int64_t chosen = resolve_isa(isa);
   const bool skewed = chosen == kSkewed && t > 1;
-#ifdef SPECSERVE_X86
-  const HeadFn fast = chosen >= kAvx512 && chosen != kSkewed ? avx512_head(d) : nullptr;
-#endif
+  const bool fast = chosen >= kAvx512 && chosen != kSkewed && d <= kMaxVectors * kLanes && hq / hkv <= 64;
   const int64_t group = hq / hkv, ld = hkv * d;
   const RowKeys keys{rows.data_ptr<int64_t>(), index.data_ptr<int64_t>(), block_size, k.size(0)};
   const float* qp = q.data_ptr<float>();
@@ -231,18 +313,17 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& k, const at::
       const int64_t i = task / hkv, g = task % hkv;
       const int64_t n = keys.gather(i, slots);
       TORCH_CHECK(n > 0, "query row ", i, " sees no keys");
-      s.resize(n);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = qp + i * qs0 + h * qs1;
-        float* oh = op + (i * hq + h) * d;
 #ifdef SPECSERVE_X86
-        if (fast != nullptr) {
-          fast(qh, kp + g * d, vp + g * d, ld, slots.data(), n, d, sc, s.data(), oh);
-          continue;
-        }
-#endif
-        head_scalar(qh, kp + g * d, vp + g * d, ld, slots.data(), n, d, sc, s.data(), oh, skewed);
+      if (fast) {
+        task_avx512(qp + i * qs0 + g * group * qs1, qs1, group, kp + g * d, vp + g * d, ld, slots.data(), n, d, sc,
+                    s, op + (i * hq + g * group) * d);
+        continue;
       }
+#endif
+      s.resize(n);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        head_scalar(qp + i * qs0 + h * qs1, kp + g * d, vp + g * d, ld, slots.data(), n, d, sc, s.data(),
+                    op + (i * hq + h) * d, skewed);
     }
   });
   return out;

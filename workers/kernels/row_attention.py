@@ -160,7 +160,8 @@ ROW_FIELDS = 4  # a row's entry in ``rows``: (block table offset, prefix, extras
 
 def native_here() -> bool:
     """Whether float32 CPU rows take the native op here: the GGUF kernel's library built and checked
-    (workers/kernels/gguf_blocks.py) and ``SPECSERVE_ROW_ATTENTION`` not "0" (read per call: a benchmark swaps it)."""
+    (workers/kernels/gguf_blocks.py), a CPU with AVX-512, and ``SPECSERVE_ROW_ATTENTION`` not "0" (read per call: a
+    benchmark swaps it). A property of the machine, never of the batch."""
     return os.environ.get("SPECSERVE_ROW_ATTENTION", "1") != "0" and _library_here()
 
 
@@ -168,10 +169,13 @@ def native_here() -> bool:
 def _library_here() -> bool:
     from workers.kernels import gguf_blocks
 
-    if gguf_blocks.available():
+    if not gguf_blocks.available():
+        why = "the GGUF kernel's library is off or did not build"
+    elif gguf_blocks.best_isa() not in ("avx512", "avx512vnni"):
+        why = "this CPU lacks AVX-512 (its scalar path defines the bits but is slower than SDPA)"
+    else:
         return True
-    log.warning("native row attention unavailable (the GGUF kernel's library is off or did not build): float32 "
-                "rows take one SDPA call per query row")
+    log.warning("native row attention unavailable (%s): float32 rows take one SDPA call per query row", why)
     return False
 
 
