@@ -151,11 +151,11 @@ def test_attention_rows_ignore_the_batch_either_path(native: str, monkeypatch) -
 
 def test_without_the_library_rows_take_sdpa_and_it_is_said_once(monkeypatch, caplog) -> None:
     monkeypatch.setattr(gguf_blocks, "available", lambda: False)
-    row_attention._library_here.cache_clear()
+    row_attention._unavailable.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=row_attention.__name__):
             assert not row_attention.native_here() and not row_attention.native_here()
             assert _invariance_failures(_AttentionOnly(row_invariant=True)) == []
         assert sum("native row attention unavailable" in r.getMessage() for r in caplog.records) == 1
     finally:
-        row_attention._library_here.cache_clear()
+        row_attention._unavailable.cache_clear()

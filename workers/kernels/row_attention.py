@@ -161,22 +161,23 @@ ROW_FIELDS = 4  # a row's entry in ``rows``: (block table offset, prefix, extras
 def native_here() -> bool:
     """Whether float32 CPU rows take the native op here: the GGUF kernel's library built and checked
     (workers/kernels/gguf_blocks.py), a CPU with AVX-512, and ``SPECSERVE_ROW_ATTENTION`` not "0" (read per call: a
-    benchmark swaps it). A property of the machine, never of the batch."""
-    return os.environ.get("SPECSERVE_ROW_ATTENTION", "1") != "0" and _library_here()
-
-
-@functools.lru_cache(maxsize=1)
-def _library_here() -> bool:
+    benchmark swaps it). A property of the machine, never of the batch; why not is said once."""
     from workers.kernels import gguf_blocks
 
+    if os.environ.get("SPECSERVE_ROW_ATTENTION", "1") == "0":
+        return False
     if not gguf_blocks.available():
-        why = "the GGUF kernel's library is off or did not build"
-    elif gguf_blocks.best_isa() not in ("avx512", "avx512vnni"):
-        why = "this CPU lacks AVX-512 (its scalar path defines the bits but is slower than SDPA)"
-    else:
-        return True
+        _unavailable("the GGUF kernel's library is off or did not build")
+        return False
+    if gguf_blocks.best_isa() not in ("avx512", "avx512vnni"):
+        _unavailable("this CPU lacks AVX-512: its scalar path defines the bits but is slower than SDPA")
+        return False
+    return True
+
+
+@functools.cache
+def _unavailable(why: str) -> None:
     log.warning("native row attention unavailable (%s): float32 rows take one SDPA call per query row", why)
-    return False
 
 
 def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
