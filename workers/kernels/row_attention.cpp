@@ -59,14 +59,17 @@ inline float exp_fixed(float x) {
 struct RowKeys {
   const int64_t* rows;
   const int64_t* index;
-  int64_t block_size, num_slots;
+  int64_t index_size, block_size, num_slots;
 
   int64_t gather(int64_t t, std::vector<int64_t>& slots) const {
     const int64_t* r = rows + t * kRowFields;
-    const int64_t* table = index + r[0];
     const int64_t prefix = r[1], extras = r[3];
+    TORCH_CHECK(r[0] >= 0 && prefix >= 0 && extras >= 0 && r[2] >= 0 && r[2] + extras <= index_size,
+                "row ", t, ": its layout points outside index");
+    const int64_t* table = index + r[0];
     slots.resize(prefix + extras);
     auto slot = [&](int64_t pos) {
+      TORCH_CHECK(pos >= 0 && r[0] + pos / block_size < index_size, "row ", t, ": position ", pos, " past its table");
       const int64_t s = table[pos / block_size] * block_size + pos % block_size;
       TORCH_CHECK(s >= 0 && s < num_slots, "key slot ", s, " out of the cache's ", num_slots);
       return s;
@@ -296,7 +299,7 @@ at::Tensor row_attention(const at::Tensor& q_in, const at::Tensor& k, const at::
   const bool skewed = chosen == kSkewed && t > 1;
   const bool fast = chosen >= kAvx512 && chosen != kSkewed && d <= kMaxVectors * kLanes && hq / hkv <= 64;
   const int64_t group = hq / hkv, ld = hkv * d;
-  const RowKeys keys{rows.data_ptr<int64_t>(), index.data_ptr<int64_t>(), block_size, k.size(0)};
+  const RowKeys keys{rows.data_ptr<int64_t>(), index.data_ptr<int64_t>(), index.numel(), block_size, k.size(0)};
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();

@@ -36,8 +36,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -172,6 +175,34 @@ def native_here() -> bool:
     if gguf_blocks.best_isa() not in ("avx512", "avx512vnni"):
         _unavailable("this CPU lacks AVX-512: its scalar path defines the bits but is slower than SDPA")
         return False
+    return _checked()
+
+
+CHECK_TIMEOUT_S = 120  # the subprocess check, torch's import included
+
+
+@functools.cache
+def _checked() -> bool:
+    """The op checked (``self_check``) in a subprocess on this CPU before the engine calls it, once per library and
+    CPU (a marker beside the library, as gguf_blocks does for its matmuls): a crash or a wrong bit there only fails
+    that subprocess, and the engine keeps the SDPA path (said once)."""
+    from workers.kernels import gguf_blocks
+
+    lib = gguf_blocks.build()
+    marker = lib.with_name(f"{lib.name}.attention-ok-{gguf_blocks._cpu_key()}")
+    if marker.exists():
+        return True
+    try:
+        done = subprocess.run([sys.executable, "-m", "workers.kernels.row_attention", "--check", str(lib)],
+                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
+                              cwd=str(Path(__file__).parents[2]))
+    except (OSError, subprocess.SubprocessError) as e:
+        _unavailable(f"its check did not run: {e}")
+        return False
+    if done.returncode != 0:
+        _unavailable(f"its check failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
+        return False
+    marker.touch()
     return True
 
 
@@ -220,8 +251,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_c
 
 
 def self_check() -> None:
-    """The native op's checks in the library's subprocess check (gguf_blocks.self_check; raises AssertionError):
-    values against float64, a row of a call == the row alone, the paths' bits equal."""
+    """The checks the subprocess runs before the engine calls the op (raises AssertionError): values against
+    float64, a row of a call == the row alone, the paths' bits equal."""
     g = torch.Generator().manual_seed(2)
     for hq, hkv, d in ((6, 2, 8), (9, 3, 64), (4, 4, 40)):
         counts = [1, 2, 15, 16, 17, 40, 33, 5]
@@ -237,3 +268,16 @@ def self_check() -> None:
             for i in range(len(counts)):
                 alone = native_attention(q[i:i + 1], k, v, rows[i:i + 1], index, 16, d ** -0.5, isa)
                 assert torch.equal(alone[0], y[i]), f"{hq}/{hkv}x{d} {isa}: row {i} alone differs"
+
+
+def main() -> None:
+    """``python -m workers.kernels.row_attention --check LIBRARY``: load it and run ``self_check`` (``_checked``)."""
+    if len(sys.argv) != 3 or sys.argv[1] != "--check":
+        raise SystemExit("usage: python -m workers.kernels.row_attention --check LIBRARY")
+    torch.ops.load_library(sys.argv[2])
+    self_check()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
