@@ -26,6 +26,8 @@ ones, alternating (any model: a GGUF file or a checkpoint directory)::
 
 ``--profile --compare-native``: the 4-bit target with torch's path and the native GGUF kernel with float32 and 8-bit
 activations, alternating (each row count also as a ratio to the first, e.g. ``--profile-rows 1,4,5,8``).
+``--profile --compare-attention``: one model (any), its forwards with the native row attention and with one SDPA
+call per query row (``SPECSERVE_ROW_ATTENTION=0``), alternating (workers/kernels/row_attention.py).
 (``--dtype bfloat16``: a float checkpoint in bfloat16; ``--batch-rows``: the rows are one-row decode steps of
 that many sequences, a batch's decode step; ``--cpu-time``: CPU ms instead of wall, on a loaded machine.)
 ``--profile --compare-glue``: the 4-bit target's layers as torch ops vs as the glued native calls
@@ -181,6 +183,7 @@ OP_CLASSES = {
     "aten::mv": "output head (gemv per row)", "aten::addmv": "output head (gemv per row)",
     "aten::mm": "float matmuls", "aten::addmm": "float matmuls", "mkldnn::_linear_pointwise": "float matmuls",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention (SDPA)",
+    "specserve_gguf::row_attention": "attention (native, all rows)",
     "aten::copy_": "copies, casts, gathers", "aten::index_select": "copies, casts, gathers",
     "aten::cat": "copies, casts, gathers", "aten::index_copy_": "copies, casts, gathers",
     "aten::zeros": "copies, casts, gathers", "aten::empty": "allocation", "aten::empty_strided": "allocation",
@@ -340,6 +343,38 @@ def compare_glue(path: str, rows_list: list[int], steps: int, repeats: int, cpu_
     for rows in rows_list:
         a, b = (statistics.median(ms[(glue, rows)]) for glue in (False, True))
         print(f"{rows:>5} {a:>10.2f} {b:>8.2f} {b / a:>14.2f}")
+def compare_attention(path: str, quantization: str | None, rows_list: list[int], steps: int, repeats: int,
+                      dtype: torch.dtype | None = None, batch: bool = False, cpu_time: bool = False) -> None:
+    """ms per forward with the native row attention and with one SDPA call per query row, one model, alternating
+    ``repeats`` times in this process; medians (``batch``, ``cpu_time``: as ``compare_kernels``)."""
+    import statistics
+
+    _, runner, table, prompt = _prompted_runner(path, quantization, dtype)
+    clock = time.process_time if cpu_time else time.perf_counter
+    ms: dict[tuple[str, int], list[float]] = {}
+    saved = os.environ.get("SPECSERVE_ROW_ATTENTION")
+    try:
+        for _ in range(repeats):
+            for name, flag in (("sdpa per row", "0"), ("native", "1")):
+                os.environ["SPECSERVE_ROW_ATTENTION"] = flag
+                for rows in rows_list:
+                    ms.setdefault((name, rows), []).append(_median_ms(runner, _chain(table, len(prompt), rows, batch),
+                                                                      steps, clock))
+    finally:
+        os.environ.pop("SPECSERVE_ROW_ATTENTION", None)
+        if saved is not None:
+            os.environ["SPECSERVE_ROW_ATTENTION"] = saved
+    med = {key: statistics.median(v) for key, v in ms.items()}
+    names = ("sdpa per row", "native")
+    print(f"{'CPU' if cpu_time else 'wall'} ms per forward after a {len(prompt)}-token prompt "
+          f"({'sequences decoding one row each' if batch else 'rows of one verify chain'}), medians of {repeats} "
+          f"alternating runs")
+    print(f"{'rows':>5}" + "".join(f"{n:>14}" for n in names) + "".join(f" {n + ' / 1st':>20}" for n in names)
+          + f" {'native / sdpa':>14}")
+    for rows in rows_list:
+        print(f"{rows:>5}" + "".join(f"{med[(n, rows)]:>14.2f}" for n in names)
+              + "".join(f" {med[(n, rows)] / med[(n, rows_list[0])]:>20.2f}" for n in names)
+              + f" {med[('native', rows)] / med[('sdpa per row', rows)]:>14.2f}")
 
 
 def print_profile(path: str, quantization: str | None, rows_list: list[int], steps: int, gbs: float) -> list[dict]:
@@ -384,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-native", action="store_true", help="with --profile: native GGUF kernel vs torch's")
     ap.add_argument("--compare-glue", action="store_true",
                     help="with --profile: the 4-bit target's layers as torch ops vs glued native calls")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="with --profile: native row attention vs one SDPA call per query row, one model")
     ap.add_argument("--batch-rows", action="store_true",
                     help="with --compare-kernels: rows are one-row decode steps of that many sequences")
     ap.add_argument("--cpu-time", action="store_true",
@@ -398,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and args.compare_glue:
         compare_glue(path, [int(r) for r in args.profile_rows.split(",")], args.profile_steps, args.repeats,
                      args.cpu_time)
+        return 0
+    if args.profile and args.compare_attention:
+        compare_attention(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],
+                          args.profile_steps, args.repeats, args.dtype and getattr(torch, args.dtype),
+                          args.batch_rows, args.cpu_time)
         return 0
     if args.profile and args.compare_kernels:
         compare_kernels(path, args.quantization, [int(r) for r in args.profile_rows.split(",")],

@@ -12,7 +12,8 @@ Models never see the cache layout: every attention layer calls ``ctx.attend(laye
 Everything that does not depend on the layer (key layout, query padding, the mask) is worked out once per
 forward in ``workers.input_batch``; per layer the paged path is a write, a read (a view when the sequence's
 slots are contiguous), and one SDPA call. GQA goes through SDPA's ``enable_gqa`` (no K/V expansion copy; the
-same numbers as ``repeat_interleave``).
+same numbers as ``repeat_interleave``). A row-invariant model's float32 rows on a CPU instead take one native call
+per layer for all rows (workers/kernels/row_attention.py ``native_attention``), reading the keys by slot.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from workers.kernels.row_attention import native_attention, native_here
 from workers.row_invariant import RowAttention
 
 
@@ -67,6 +69,20 @@ class DenseCausalContext:
 
 
 @dataclass
+class RowKeyLayout:
+    """Which keys each of a forward's T rows sees, for the native op (one call for every row of the forward).
+
+    ``rows`` [T, 4] int64: (offset of the row's block table in ``index``, prefix: positions [0, prefix) of its
+    sequence are visible, offset of its extra positions in ``index``, their count); ``index`` [*] int64: block
+    tables and extra positions (a tree node's scratch ancestors and itself, increasing). Position p is slot
+    table[p // block_size] * block_size + p % block_size."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    block_size: int
+
+
+@dataclass
 class PagedMetadata:
     """Where one forward's new tokens go and what each of them may see.
 
@@ -94,6 +110,8 @@ class PagedMetadata:
     # layout has only the write (slot_mapping) and the sizes; the groups' slot_mapping is None. Empty: one call.
     groups: list[PagedMetadata] = field(default_factory=list)
     group_rows: list[torch.Tensor] = field(default_factory=list)
+    # Every row's keys, for the native row-invariant op (CPU forwards; None elsewhere).
+    row_keys: RowKeyLayout | None = None
 
 
 class KVCacheLike(Protocol):
@@ -102,6 +120,9 @@ class KVCacheLike(Protocol):
     def slot_range(self, layer: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    k: list[torch.Tensor]  # per layer [slots, Hkv, D]: what the native op reads by slot
+    v: list[torch.Tensor]
 
 
 @dataclass
@@ -112,6 +133,7 @@ class PagedContext:
     # One SDPA call per query row over exactly its visible keys (workers/row_invariant.py): a row's output then
     # does not depend on the other rows of the forward. Set for models whose output must not (quantized ones).
     row_invariant: bool = False
+    _native: bool | None = field(default=None, init=False, repr=False)  # decided on the first layer
     _mask: torch.Tensor | None = field(default=None, init=False, repr=False)
     _rows: RowAttention | None = field(default=None, init=False, repr=False)
     _groups: list[PagedContext] | None = field(default=None, init=False, repr=False)
@@ -124,8 +146,22 @@ class PagedContext:
             self._mask = torch.zeros(self.meta.mask.shape, dtype=dtype).masked_fill_(~self.meta.mask, float("-inf"))
         return self._mask
 
+    def _uses_native(self, layer: int, q: torch.Tensor) -> bool:
+        """A row-invariant model's float32 CPU rows, where the library is here: a property of the model, never of
+        the batch (a row alone and inside any batch must take the same kernel)."""
+        if self._native is None:
+            self._native = (self.row_invariant and self.meta.row_keys is not None and q.dtype == torch.float32
+                            and q.device.type == "cpu" and self.cache.k[layer].dtype == torch.float32
+                            and native_here())
+        return self._native
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer, self.meta.slot_mapping, k, v)
+        if self.row_invariant and self._uses_native(layer, q):
+            rk = self.meta.row_keys
+            scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+            return native_attention(q, self.cache.k[layer], self.cache.v[layer], rk.rows, rk.index, rk.block_size,
+                                    scale)  # [T, Hq, D]
         if not self.meta.groups:
             return self._read(layer, q)
         if self._groups is None:  # (row by row, a row's output does not depend on its group either)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.attention import PagedMetadata
+from workers.attention import PagedMetadata, RowKeyLayout
 from workers.tree_topology import is_chain, node_depths
 
 __all__ = ["SeqForward", "ancestor_masks", "build_batch", "commit_moves", "is_chain", "node_depths"]
@@ -104,6 +104,9 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
     limits: list[list[int]] = []  # per query: keys [0, limit) visible before the tree's own ancestor rule
     chains: list[bool] = []
     trees: list[tuple[int, int, SeqForward]] = []  # (seq in attention batch, first key of its scratch, piece)
+    # The native op's layout (``RowKeyLayout``): 4 ints a row, and the block tables and extra positions they index.
+    row_fields: list[int] = []
+    key_index: list[int] = []
     for s in seqs:
         n_scratch = len(s.parents)
         needed = s.base_len + n_scratch
@@ -122,18 +125,27 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         chain = is_chain(s.parents)
         input_ids += s.token_ids
         slot_mapping += _slots(s.block_table, first, needed, block_size)
+        table = s.block_table[: -(-needed // block_size)]
+        table_at = len(key_index)
+        key_index += table
         if chain:
             positions += range(first, needed)
             limits.append(list(range(first + 1, needed + 1)))
+            for p in range(first + 1, needed + 1):
+                row_fields += (table_at, p, 0, 0)
         else:
             depths = node_depths(s.parents)
             positions += [s.base_len + depths[j] for j in range(s.new_start, n_scratch)]
             limits.append([s.base_len] * new)  # the committed prefix; the scratch part comes from the tree
             trees.append((len(n_new), s.base_len, s))
+            for j in range(s.new_start, n_scratch):
+                path = _path(s.parents, j)
+                row_fields += (table_at, s.base_len, len(key_index), len(path))
+                key_index += (s.base_len + a for a in path)
         chains.append(chain)
         n_new.append(new)
         n_keys.append(needed)
-        tables.append(s.block_table[: -(-needed // block_size)])
+        tables.append(table)
 
     slots = torch.tensor(slot_mapping, dtype=torch.long, device=device)
     groups = attention_groups(n_new, n_keys, GROUP_CALL_PAIRS if torch.device(device).type == "cpu"
@@ -154,6 +166,9 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
                                        [(at[i], base, s) for i, base, s in trees if i in at], block_size, device))
             meta.group_rows.append(torch.tensor(rows, dtype=torch.long, device=device))
 
+    if torch.device(device).type == "cpu":  # the native op runs on CPUs only
+        meta.row_keys = RowKeyLayout(torch.tensor(row_fields, dtype=torch.long).view(-1, 4),
+                                     torch.tensor(key_index, dtype=torch.long), block_size)
     logit_range = None
     if logit_rows and logit_rows[-1] - logit_rows[0] == len(logit_rows) - 1 and \
             logit_rows == list(range(logit_rows[0], logit_rows[-1] + 1)):
@@ -165,6 +180,14 @@ def build_batch(seqs: list[SeqForward], block_size: int, device: str | torch.dev
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         logit_range=logit_range,
     )
+
+
+def _path(parents: list[int], j: int) -> list[int]:
+    """Scratch node j's ancestors and itself, root first (a parent always precedes its children)."""
+    path = [j]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
 
 
 SPLIT_QUERIES = 16  # sequences feeding more new tokens than this (prompt chunks) attend apart from the others

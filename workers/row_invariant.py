@@ -27,6 +27,11 @@ Cost: batch-1 decode is unchanged (it already ran exactly these calls); extra ro
 (instead of sharing one GEMM pass). Rows whose keys are prefixes of one length (a decode step's sequences of equal
 length) share SDPA calls of probe-checked sizes (workers/kernels/row_attention.py); other rows pay a call each
 per layer.
+
+Float32 rows on an AVX-512 CPU where the kernel library builds skip ``RowAttention`` altogether: one native call
+per layer computes every row of the forward, each (row, head) alone in a fixed order (workers/kernels/
+row_attention.py ``native_attention``; workers/attention.py picks it per model, never per batch). ``RowAttention``
+stays for bfloat16, GPUs, and machines without the library.
 """
 
 from __future__ import annotations

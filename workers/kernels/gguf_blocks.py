@@ -40,7 +40,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.cpp")  # float32 activations
-SOURCES = [SOURCE, SOURCE.with_name("gguf_q8.cpp"), SOURCE.with_name("layer_glue.cpp")]  # + q8, layer ops: one library
+# + 8-bit activations, the layers' small ops, row attention: one library
+SOURCES = [SOURCE, *(SOURCE.with_name(f) for f in ("gguf_q8.cpp", "layer_glue.cpp", "row_attention.cpp"))]
 HEADER = SOURCE.with_name("gguf_blocks.h")  # what both share
 ACTIVATIONS = ("f32", "q8")  # KernelConfig.gguf_activations
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # ggml's type ids, as the kernel takes them

@@ -22,15 +22,30 @@ each probed on both sides), not checked one by one; a kernel that branched on va
 
 Found here (torch 2.13 CPU, AVX-512, float32 and bfloat16, 1 and 2 threads, the built-in pair's and SmolLM2's head
 shapes): every group size admitted.
+
+The native op (``native_attention``, row_attention.cpp, built into the GGUF kernel's library) replaces all of that
+for float32 rows on a CPU: one call per layer for every query row of a forward (decode rows of many sequences,
+chain rows, tree rows, prompt rows), each (row, head) computed alone in one fixed order over exactly its visible
+keys, read from the paged cache by slot: row-invariant by construction, so nothing to probe. Whether a row takes
+it depends only on the model (float32, CPU) and the library being here (``native_here``), never on the batch.
+The SDPA calls above stay for bfloat16, GPUs, and where the library does not build.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 # (q [G, Hq, 1, D], keys [G, Hkv, n, D], values [G, Hkv, n, D], scale) -> [G, Hq, 1, D]
 Sdpa = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
@@ -139,3 +154,130 @@ def _probe_operands(rows: int, hq: int, hkv: int, n: int, d: int,
     pair = torch.stack([big * sign, -big * sign], dim=2).flatten(1, 2)[:, :n]  # [rows, n, Hkv, D]
     v = pair + torch.randn(rows, n, hkv, d, generator=g) * 2.0**-6
     return q, k.contiguous().transpose(1, 2), v.contiguous().transpose(1, 2)
+
+
+# --- the native op (row_attention.cpp) ---
+
+ROW_FIELDS = 4  # a row's entry in ``rows``: (block table offset, prefix, extras offset, extras count) into ``index``
+
+
+def native_here() -> bool:
+    """Whether float32 CPU rows take the native op here: the GGUF kernel's library built and checked
+    (workers/kernels/gguf_blocks.py), a CPU with AVX-512, and ``SPECSERVE_ROW_ATTENTION`` not "0" (read per call: a
+    benchmark swaps it). A property of the machine, never of the batch; why not is said once."""
+    from workers.kernels import gguf_blocks
+
+    if os.environ.get("SPECSERVE_ROW_ATTENTION", "1") == "0":
+        return False
+    if not gguf_blocks.available():
+        _unavailable("the GGUF kernel's library is off or did not build")
+        return False
+    if gguf_blocks.best_isa() not in ("avx512", "avx512vnni"):
+        _unavailable("this CPU lacks AVX-512: its scalar path defines the bits but is slower than SDPA")
+        return False
+    return _checked()
+
+
+CHECK_TIMEOUT_S = 120  # the subprocess check, torch's import included
+
+
+@functools.cache
+def _checked() -> bool:
+    """The op checked (``self_check``) in a subprocess on this CPU before the engine calls it, once per library and
+    CPU (a marker beside the library, as gguf_blocks does for its matmuls): a crash or a wrong bit there only fails
+    that subprocess, and the engine keeps the SDPA path (said once)."""
+    from workers.kernels import gguf_blocks
+
+    lib = gguf_blocks.build()
+    marker = lib.with_name(f"{lib.name}.attention-ok-{gguf_blocks._cpu_key()}")
+    if marker.exists():
+        return True
+    try:
+        done = subprocess.run([sys.executable, "-m", "workers.kernels.row_attention", "--check", str(lib)],
+                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
+                              cwd=str(Path(__file__).parents[2]))
+    except (OSError, subprocess.SubprocessError) as e:
+        _unavailable(f"its check did not run: {e}")
+        return False
+    if done.returncode != 0:
+        _unavailable(f"its check failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
+        return False
+    marker.touch()
+    return True
+
+
+@functools.cache
+def _unavailable(why: str) -> None:
+    log.warning("native row attention unavailable (%s): float32 rows take one SDPA call per query row", why)
+
+
+def native_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, index: torch.Tensor,
+                     block_size: int, scale: float, isa: str = "auto") -> torch.Tensor:
+    """q [T, Hq, D] float32, k / v [slots, Hkv, D] float32 (one layer of the paged cache) -> [T, Hq, D]: each row
+    over the keys ``rows`` [T, 4] int64 and ``index`` [*] int64 give it (``attention.RowKeyLayout``); ``isa``:
+    "scalar" (the definition), "avx512", or "skewed" (a test-only variant whose exp-sum order depends on T)."""
+    from workers.kernels.gguf_blocks import ISA
+
+    return torch.ops.specserve_gguf.row_attention(q, k, v, rows, index, block_size, scale,
+                                                  -1 if isa == "auto" else ISA[isa])
+
+
+def native_isas() -> list[str]:
+    """The paths the native op runs on here (the scalar one everywhere; it defines the bits)."""
+    from workers.kernels.gguf_blocks import best_isa
+
+    return ["scalar", "avx512"] if best_isa() in ("avx512", "avx512vnni") else ["scalar"]
+
+
+def dense_layout(key_counts: list[int], block_size: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows``, ``index`` for T rows of one sequence whose blocks are 0, 1, 2, ... (slot = position), row i seeing
+    positions [0, key_counts[i]): for checks and tests."""
+    index = torch.arange(-(-num_slots // block_size))
+    rows = torch.tensor([[0, n, 0, 0] for n in key_counts], dtype=torch.long).view(-1, ROW_FIELDS)
+    return rows, index
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_counts: list[int],
+                        scale: float) -> torch.Tensor:
+    """``native_attention`` over ``dense_layout`` in float64 by torch ops: q [T, Hq, D], k / v [S, Hkv, D] ->
+    [T, Hq, D] float64."""
+    group = q.shape[1] // k.shape[1]
+    out = []
+    for i, n in enumerate(key_counts):
+        kk, vv = (x[:n].double().repeat_interleave(group, dim=1) for x in (k, v))  # [n, Hq, D]
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), kk) * scale, dim=-1)  # [Hq, n]
+        out.append(torch.einsum("hn,nhd->hd", w, vv))
+    return torch.stack(out)
+
+
+def self_check() -> None:
+    """The checks the subprocess runs before the engine calls the op (raises AssertionError): values against
+    float64, a row of a call == the row alone, the paths' bits equal."""
+    g = torch.Generator().manual_seed(2)
+    for hq, hkv, d in ((6, 2, 8), (9, 3, 64), (4, 4, 40)):
+        counts = [1, 2, 15, 16, 17, 40, 33, 5]
+        k, v = (torch.randn(48, hkv, d, generator=g) for _ in range(2))  # [slots, Hkv, D]
+        q = torch.randn(len(counts), hq, d, generator=g)
+        rows, index = dense_layout(counts, 16, 48)
+        ref = reference_attention(q, k, v, counts, d ** -0.5).float()
+        base = native_attention(q, k, v, rows, index, 16, d ** -0.5, "scalar")
+        for isa in native_isas():
+            y = native_attention(q, k, v, rows, index, 16, d ** -0.5, isa)
+            torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5, msg=f"{hq}/{hkv}x{d} {isa}: values")
+            assert torch.equal(y, base), f"{hq}/{hkv}x{d} {isa}: paths differ"
+            for i in range(len(counts)):
+                alone = native_attention(q[i:i + 1], k, v, rows[i:i + 1], index, 16, d ** -0.5, isa)
+                assert torch.equal(alone[0], y[i]), f"{hq}/{hkv}x{d} {isa}: row {i} alone differs"
+
+
+def main() -> None:
+    """``python -m workers.kernels.row_attention --check LIBRARY``: load it and run ``self_check`` (``_checked``)."""
+    if len(sys.argv) != 3 or sys.argv[1] != "--check":
+        raise SystemExit("usage: python -m workers.kernels.row_attention --check LIBRARY")
+    torch.ops.load_library(sys.argv[2])
+    self_check()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
