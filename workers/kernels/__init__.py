@@ -18,10 +18,13 @@ Per path (CPU, torch 2.13, MKL / oneDNN; each claim is a test in tests/test_row_
   int4 kernel (workers/quantized_linear.py), which sums each row alone too, and the float32 head below.
 - the output head: one gemv per row over fixed weight slices (workers/row_invariant.py) when it is big and
   memory-bound, the fixed-shape chunks above when it is small (``KernelConfig.head_gemv_bytes``).
-- attention (workers/row_invariant.py ``RowAttention``): each query row computed as its own one-query SDPA call
-  over exactly its visible keys in position order (the call a one-row decode step makes); rows whose keys are
-  prefixes of one length share calls of group sizes a probe showed give each row those bits (``row_attention``).
-- embedding, RMSNorm, RoPE, SiLU, residual adds, softmax and sampling: elementwise or per-row reductions.
+- attention: on an AVX-512 CPU where the library builds, every float32 row of a forward in one native call per
+  layer (``row_attention.native_attention``, row_attention.cpp), each (row, head) summed alone in an order fixed
+  by its own key count; elsewhere (bfloat16, no AVX-512, ``SPECSERVE_ROW_ATTENTION=0``) each query row as its own
+  one-query SDPA call over exactly its visible keys (workers/row_invariant.py ``RowAttention``), rows whose keys
+  are prefixes of one length sharing calls of group sizes a probe showed give each row those bits.
+- embedding, RMSNorm, RoPE, SiLU, residual adds, softmax and sampling: elementwise or per-row reductions (the
+  4-bit layers' in ``layer_glue``, each row alone in a fixed order).
 - tensor parallelism: the all-reduce adds the ranks' partial rows elementwise; with 2 ranks the sum is
   commutative, so exact; with more, the collective's order per element must not depend on the tensor's size
   (gloo's ring splits by size: not guaranteed beyond 2 ranks).
