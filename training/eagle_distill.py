@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,16 @@ def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: 
     """Train ``head`` in place for ``cfg.minutes``; ``checkpoint()`` is called at every held-out check."""
     rng = random.Random(cfg.seed)
     local = draft_local(head.draft_ids, head.head_config.vocab_size)
+    return optimise(head, lambda: Batch(sample_batch(rng, gen, text, cfg), local),
+                    (lambda: heldout_agreement(head, held, local, cfg.ttt_steps)) if held else None,
+                    cfg, checkpoint, log)
+
+
+def optimise(head: EagleHead, next_batch: Callable[[], Batch], heldout: Callable[[], list[float]] | None,
+             cfg: DistillConfig, checkpoint=None, log=print) -> dict:
+    """The training loop both trainers share: AdamW on ``next_batch()`` for ``cfg.minutes`` of wall clock (warm-up,
+    then a cosine on the clock), ``heldout()`` (teacher-forced top-1 per step) and ``checkpoint()`` every
+    ``cfg.eval_every_s``."""
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     start = last_eval = time.perf_counter()
     step, history, agree = 0, [], [0.0]
@@ -207,7 +218,7 @@ def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: 
             cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
         for g in opt.param_groups:
             g["lr"] = cfg.lr * scale
-        b = Batch(sample_batch(rng, gen, text, cfg), local)
+        b = next_batch()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, agree = ttt_loss(head, b, cfg.ttt_steps, cfg.ttt_decay)
         descend(opt, head, loss)
@@ -215,8 +226,8 @@ def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: 
         if step % 25 == 0 or step == 1:
             log(f"eagle: step {step}, loss {loss.item():.4f}, top-1 per step {[round(a, 3) for a in agree]}, "
                 f"lr {cfg.lr * scale:.2e}, {time.perf_counter() - start:.0f} s")
-        if held and time.perf_counter() - last_eval > cfg.eval_every_s:
-            h = heldout_agreement(head, held, local, cfg.ttt_steps)
+        if heldout is not None and time.perf_counter() - last_eval > cfg.eval_every_s:
+            h = heldout()
             history.append({"step": step, "seconds": round(time.perf_counter() - start), "heldout_top1": h})
             log(f"eagle: held-out top-1 per step {h} at step {step}")
             if checkpoint is not None:
@@ -225,7 +236,7 @@ def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: 
     head.eval()
     stats = {"steps": step, "train_seconds": round(time.perf_counter() - start, 1),
              "final_loss": round(loss.item(), 4), "train_top1": round(agree[0], 4), "history": history}
-    if held:
-        stats["heldout_top1_per_step"] = heldout_agreement(head, held, local, cfg.ttt_steps)
+    if heldout is not None:
+        stats["heldout_top1_per_step"] = heldout()
         stats["heldout_top1"] = stats["heldout_top1_per_step"][0]
     return stats

@@ -24,7 +24,6 @@ import argparse
 import copy
 import gzip
 import json
-import math
 import os
 import random
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from training.eagle_distill import DistillConfig, descend, draft_local, ttt_loss
+from training.eagle_distill import DistillConfig, draft_local, optimise, ttt_loss
 
 CACHE_TOPK = 32  # the target's law kept per position (the head learns its top; as training/eagle_cache.py)
 
@@ -206,14 +205,18 @@ def batches(seqs: list[Seq], tokens: int, rng: random.Random) -> list[list[Seq]]
 
 def train(teacher: torch.nn.Module, head: torch.nn.Module, aux_layers: tuple[int, ...], data: list[Seq],
           held: list[Seq], cfg: DistillConfig, checkpoint=None, log=print) -> dict:
-    """Train ``head`` in place for ``cfg.minutes`` (cosine on the wall clock); features come from ``teacher``."""
+    """Train ``head`` in place for ``cfg.minutes`` (training/eagle_distill.py's loop); features from ``teacher``."""
     device = next(head.parameters()).device
     local = draft_local(head.draft_ids, head.head_config.vocab_size).to(device)
     rng = random.Random(cfg.seed)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    start = last_eval = time.perf_counter()
-    step, epoch, history, agree, queue = 0, 0, [], [0.0], []
-    loss = torch.zeros(())
+    queue: list[list[Seq]] = []
+    epochs = 0
+
+    def next_batch() -> PaddedBatch:
+        nonlocal queue, epochs
+        if not queue:
+            queue, epochs = batches(data, cfg.tokens, rng), epochs + 1
+        return PaddedBatch(queue.pop(), teacher, aux_layers, local)
 
     def heldout() -> list[float]:
         head.eval()
@@ -227,36 +230,8 @@ def train(teacher: torch.nn.Module, head: torch.nn.Module, aux_layers: tuple[int
         head.train()
         return [round(x / max(n, 1), 4) for x in tot]
 
-    head.train()
-    while (elapsed := time.perf_counter() - start) < cfg.minutes * 60:
-        if not queue:
-            queue, epoch = batches(data, cfg.tokens, rng), epoch + 1
-        frac = elapsed / (cfg.minutes * 60)
-        scale = min(1.0, (step + 1) / cfg.warmup_steps) * (
-            cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * scale
-        b = PaddedBatch(queue.pop(), teacher, aux_layers, local)
-        loss, agree = ttt_loss(head, b, cfg.ttt_steps, cfg.ttt_decay)
-        descend(opt, head, loss)
-        step += 1
-        if step % 50 == 0 or step == 1:
-            log(f"eagle: step {step} (epoch {epoch}), loss {loss.item():.4f}, top-1 per step "
-                f"{[round(a, 3) for a in agree]}, lr {cfg.lr * scale:.2e}, {time.perf_counter() - start:.0f} s")
-        if held and time.perf_counter() - last_eval > cfg.eval_every_s:
-            h = heldout()
-            history.append({"step": step, "seconds": round(time.perf_counter() - start), "heldout_top1": h})
-            log(f"eagle: held-out top-1 per step {h} at step {step}")
-            if checkpoint is not None:
-                checkpoint()
-            last_eval = time.perf_counter()
-    head.eval()
-    stats = {"steps": step, "epochs": epoch, "train_seconds": round(time.perf_counter() - start, 1),
-             "final_loss": round(loss.item(), 4), "train_top1": round(agree[0], 4), "history": history}
-    if held:
-        stats["heldout_top1_per_step"] = heldout()
-        stats["heldout_top1"] = stats["heldout_top1_per_step"][0]
-    return stats
+    stats = optimise(head, next_batch, heldout if held else None, cfg, checkpoint, log)
+    return {**stats, "epochs": epochs}
 
 
 @dataclass
