@@ -195,3 +195,20 @@ def test_the_policys_config_sets_how_far_a_measurement_moves_its_cost_curves() -
     assert verify_after_a_slow_step(AdaptiveConfig()) == pytest.approx(0.012)  # curve_decay 0.1 of the way
     assert verify_after_a_slow_step(AdaptiveConfig(curve_decay=0.8)) == pytest.approx(0.020)  # max_jump 0.5 caps it
     assert verify_after_a_slow_step(AdaptiveConfig(curve_decay=1.0, curve_max_jump=1.0)) == pytest.approx(0.030)
+
+
+def test_a_plan_prices_each_forward_once_and_never_keeps_a_stale_price(monkeypatch) -> None:
+    """While a plan is made each price is computed once per argument (at 8 requests the planner re-priced the same
+    forwards ~300 times a step); after it, a changed curve changes the next plan's prices."""
+    costs = _costs(0.3, 10.0, 0.2, 2.0)
+    reqs = [Req(i, cap=8, inflight=1, catchup=40, rates=[0.6] * 8, lag=None) for i in range(8)]
+    calls: list[tuple[float, int]] = []
+    inner = CostModel._draft_forward
+    monkeypatch.setattr(CostModel, "_draft_forward", lambda self, n, q: calls.append((n, q)) or inner(self, n, q))
+    first = plan(reqs, costs, (1,) * 8, EXACT)
+    assert calls and len(calls) == len(set(calls))
+    for _ in range(50):  # the verify curve doubles (each observation moves a point part of the way)
+        for x in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            costs.verify.observe(x, 2 * costs.verify(x))
+    assert price(reqs, first.shapes, costs).seconds > 1.3 * first.seconds
+    assert plan(reqs, costs, (1,) * 8, EXACT).seconds > 1.3 * first.seconds

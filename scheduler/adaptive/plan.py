@@ -94,6 +94,12 @@ def plan(reqs: Sequence[Req], costs: CostModel, tree: tuple[int, ...], config: A
          previous: Mapping[int, tuple[int, ...]] | None = None) -> Plan:
     """The best plan on the menu (chains, the configured tree, plain decode; pinned requests keep their shape),
     or the previous step's shapes if the best does not beat them by ``hysteresis``."""
+    with costs.planning():  # the curves hold still while the menu is priced: each price is computed once
+        return _plan(reqs, costs, tree, config, previous)
+
+
+def _plan(reqs: Sequence[Req], costs: CostModel, tree: tuple[int, ...], config: AdaptiveConfig,
+          previous: Mapping[int, tuple[int, ...]] | None) -> Plan:
     plain = [r.pinned if r.pinned is not None else () for r in reqs]
     if not costs.knows_batch_size(len(reqs)):  # plain decode measures this batch size first
         return price(reqs, plain, costs)
