@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from scheduler.adaptive.config import AdaptiveConfig
@@ -172,6 +172,15 @@ class CostModel:
         finally:
             self._memo = outer
 
+    def _priced(self, price: Callable[[float, int], float], tokens: float, num_seqs: int) -> float:
+        """``price(tokens, num_seqs)``, computed once per argument while a plan is made."""
+        if self._memo is None:
+            return price(tokens, num_seqs)
+        key = (price.__name__, tokens, num_seqs)
+        if key not in self._memo:
+            self._memo[key] = price(tokens, num_seqs)
+        return self._memo[key]
+
     def __post_init__(self) -> None:
         for c in [getattr(self, n) for n in _CURVES] + [c for n in _BY_SEQS for c in getattr(self, n).values()]:
             c.decay, c.max_jump = self.config.curve_decay, self.config.curve_max_jump
@@ -206,12 +215,7 @@ class CostModel:
 
     def verify_seconds(self, tokens: float, num_seqs: int) -> float:
         """This batch size's curve where it measured any (past its sizes, on the all-steps shape), else all steps'."""
-        if self._memo is not None:
-            key = ("verify", tokens, num_seqs)
-            if key not in self._memo:
-                self._memo[key] = self._verify_seconds(tokens, num_seqs)
-            return self._memo[key]
-        return self._verify_seconds(tokens, num_seqs)
+        return self._priced(self._verify_seconds, tokens, num_seqs)
 
     def _verify_seconds(self, tokens: float, num_seqs: int) -> float:
         c = self.verify_by_seqs.get(bucket(num_seqs))
@@ -243,12 +247,7 @@ class CostModel:
         the all-forwards shape, the lower of the two (either alone kept requests from ever speculating)."""
         if tokens <= 0:
             return 0.0
-        if self._memo is not None:
-            key = ("draft", tokens, num_seqs)
-            if key not in self._memo:
-                self._memo[key] = self._draft_forward(tokens, num_seqs)
-            return self._memo[key]
-        return self._draft_forward(tokens, num_seqs)
+        return self._priced(self._draft_forward, tokens, num_seqs)
 
     def _draft_forward(self, tokens: float, num_seqs: int) -> float:
         known = [k for k, c in self.draft_by_seqs.items() if c.points]
