@@ -25,21 +25,22 @@ from typing import Any
 import torch
 
 from training.eagle_cache import CACHE_TOPK
-from training.eagle_online import GenConfig, chat_prefix
+from training.eagle_online import GenConfig, left_padded, sampling, self_written_instructions, temperature_groups
 
 
 def plan(tok: Any, cfg: GenConfig, asks: list[str]) -> list[tuple[int, list[int], float]]:
-    """(instruction index, prompt ids, temperature) of every answer, in the order they are written."""
+    """(instruction index, prompt ids, temperature) of every answer, in the order they are written (the order of
+    training/eagle_online.py's ``write_data``)."""
     from training.smollm2_draft import _chat_ids, compose_prompts, is_heldout
 
     train = [(i, _chat_ids(tok, p)) for i, p in enumerate(compose_prompts()) if not is_heldout(i)]
     if cfg.instructions is not None:
         train = train[: cfg.instructions]
-    copies = [cfg.temperatures[s % len(cfg.temperatures)] for s in range(cfg.samples - 1)]
-    out = [(i, p, 0.0) for i, p in train]
-    for g, t in enumerate(t for t in cfg.temperatures if t in copies):
-        out += [(i, p, t) for _ in range(copies.count(t)) for i, p in train]
-        if g == 0:
+    groups = temperature_groups(cfg)
+    out: list[tuple[int, list[int], float]] = []
+    for g, (t, n) in enumerate(groups):
+        out += [(i, p, t) for _ in range(n) for i, p in train]
+        if g == 1 or len(groups) == 1:
             own = [(100_000 + j, _chat_ids(tok, x)) for j, x in enumerate(asks)]
             out += [(i, p, t2) for t2 in (0.0, 0.8) for i, p in own]
     return out
@@ -49,21 +50,14 @@ def plan(tok: Any, cfg: GenConfig, asks: list[str]) -> list[tuple[int, list[int]
 def capture(model: torch.nn.Module, prompts: list[list[int]], temperature: float, max_tokens: int, eos: int,
             aux_layers: tuple[int, ...], seed: int) -> list[dict]:
     """Answer ``prompts`` in one batch; per row the sequence, its features [L, F] and next-token laws [L, k]."""
-    b, n = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((b, n), eos, dtype=torch.long)  # [B, n], left-padded
-    mask = torch.zeros(b, n, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, n - len(p):] = torch.tensor(p)
-        mask[r, n - len(p):] = 1
+    ids, mask = left_padded(prompts, eos)  # [B, n] each
+    n = ids.shape[1]
     torch.manual_seed(seed)
-    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
-        "do_sample": False}
     o = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, eos_token_id=eos,
                        pad_token_id=eos, output_hidden_states=True, output_logits=True, return_dict_in_generate=True,
-                       **sample)
+                       **sampling(temperature))
     # step 0: the prompt's hidden states [B, n, H] per layer; step s >= 1: the token written at step s - 1 [B, 1, H]
-    steps = [o.hidden_states[0]] + list(o.hidden_states[1:])
-    feats = torch.cat([torch.cat([h[i] for i in aux_layers], -1) for h in steps], dim=1)  # [B, n + S - 1, F]
+    feats = torch.cat([torch.cat([h[i] for i in aux_layers], -1) for h in o.hidden_states], dim=1)  # [B, n + S - 1, F]
     tops = [torch.log_softmax(lg.float(), dim=-1).topk(CACHE_TOPK, dim=-1) for lg in o.logits]  # per step [B, k]
     top_v, top_i = torch.stack([t.values for t in tops], 1), torch.stack([t.indices for t in tops], 1)  # [B, S, k]
     answers = o.sequences[:, n:].tolist()
@@ -85,7 +79,6 @@ def run(target: str, cache: Path, cfg: GenConfig, log=print) -> dict:
     from safetensors.torch import save_file
 
     from training.eagle_layout import head_config_dict
-    from training.eagle_online import generate
     from training.smollm2_draft import load_hf_target
     from workers.eagle.head_config import EagleHeadConfig
     from workers.gguf_loader import resolve_model_path
@@ -102,16 +95,8 @@ def run(target: str, cache: Path, cfg: GenConfig, log=print) -> dict:
     (cache / "meta.json").write_text(json.dumps({"aux_layers": list(aux), "topk": CACHE_TOPK, "target": path}))
     shards = sorted(cache.glob("gen-[0-9][0-9][0-9][0-9].safetensors"))
     asks_file = cache / "self_instruct.json"
-    prefix = chat_prefix(tok)
     if not asks_file.is_file():  # written once, so a resumed run's plan is the same
-        asks = []
-        if cfg.self_instruct and prefix is not None:
-            got = generate(model, [prefix] * cfg.self_instruct, 1.0, 64, cfg.batch, tok.eos_token_id,
-                           tok.eos_token_id, start + cfg.minutes * 60, cfg.seed + 7)
-            eos = tok.eos_token_id
-            asks = sorted({tok.decode(a[:-1], skip_special_tokens=True).strip() for a in got if a and a[-1] == eos})
-            asks = [x for x in asks if 8 <= len(x) <= 400]
-        asks_file.write_text(json.dumps(asks))
+        asks_file.write_text(json.dumps(self_written_instructions(model, tok, cfg, start + cfg.minutes * 60)))
     todo = plan(tok, cfg, json.loads(asks_file.read_text()))
     done = len(shards) * cfg.batch
     n_pos = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -105,22 +105,29 @@ class TTTContext:
 
 
 class Batch:
-    """Packed sequences: tokens [N], positions [N], the row before each row (-1 at a start), labels, weights."""
+    """Sequences laid end to end: tokens [N], positions [N], the row before each row (-1 at a start), labels,
+    weights. ``label`` [N] marks the positions trained on; ``top_ids`` / ``top_logp`` [N, k] the target's law."""
 
-    def __init__(self, seqs: list[CachedSeq], local: torch.Tensor) -> None:
-        self.lens = [len(s.ids) for s in seqs]
-        self.tokens = torch.cat([s.ids for s in seqs])  # [N]
-        self.pos = torch.cat([torch.arange(n) for n in self.lens])  # [N]
-        self.prev = torch.arange(len(self.tokens)) - 1  # [N]
+    def __init__(self, lens: list[int], tokens: torch.Tensor, aux: torch.Tensor, top_ids: torch.Tensor,
+                 top_logp: torch.Tensor, label: torch.Tensor, local: torch.Tensor) -> None:
+        dev = tokens.device
+        self.lens, self.tokens, self.aux = lens, tokens, aux.float()  # [N], [N, F]
+        self.pos = torch.cat([torch.arange(n, device=dev) for n in lens])  # [N]
+        self.prev = torch.arange(len(tokens), device=dev) - 1  # [N]
         self.prev[self.pos == 0] = -1
-        self.aux = torch.cat([s.aux for s in seqs]).float()  # [N, F]
-        top_ids = torch.cat([s.top_ids for s in seqs])  # [N, k]
         rows = local[top_ids]  # [N, k] draft row of each label id, -1 off the draft vocabulary
-        lp = torch.cat([s.top_logp for s in seqs]).float().masked_fill(rows < 0, float("-inf"))
+        lp = top_logp.float().masked_fill(rows < 0, float("-inf"))
         self.p = torch.softmax(lp, dim=-1).nan_to_num(0.0)  # [N, k] the target's law on the draft rows
         self.rows = rows.clamp(min=0)  # [N, k]
         self.top1 = torch.where(rows[:, 0] >= 0, rows[:, 0], -1)  # [N] the target's argmax as a draft row
-        self.mask = torch.cat([s.label_mask for s in seqs]) & (self.p.sum(-1) > 0)  # [N]
+        self.mask = label & (self.p.sum(-1) > 0)  # [N]
+
+    @classmethod
+    def packed(cls, seqs: list[CachedSeq], local: torch.Tensor) -> Batch:
+        """Cached sequences packed end to end (no padding; each attends only within itself)."""
+        return cls([len(s.ids) for s in seqs], torch.cat([s.ids for s in seqs]), torch.cat([s.aux for s in seqs]),
+                   torch.cat([s.top_ids for s in seqs]), torch.cat([s.top_logp for s in seqs]),
+                   torch.cat([s.label_mask for s in seqs]), local)
 
     def shift(self, x: torch.Tensor) -> torch.Tensor:
         """[N, H] -> [N, H]: each row gets the row before it (zeros at a sequence start)."""
@@ -177,13 +184,12 @@ def sample_batch(rng: random.Random, gen: list[CachedSeq], text: list[CachedSeq]
 
 
 @torch.no_grad()
-def heldout_agreement(head: EagleHead, seqs: list[CachedSeq], local: torch.Tensor, steps: int) -> list[float]:
-    """Teacher-forced top-1 agreement per training-time-test step on held-out cached sequences (answers only)."""
+def agreement(head: EagleHead, batches: Iterable[Batch], steps: int) -> list[float]:
+    """Teacher-forced top-1 agreement per training-time-test step over ``batches`` (their scored rows)."""
     head.eval()
     res = [0.0] * steps
     n = 0
-    for i in range(0, len(seqs), 16):
-        b = Batch(seqs[i: i + 16], local)
+    for b in batches:
         _, agree = ttt_loss(head, b, steps, 1.0)
         m = int(b.mask.sum())
         res = [r + a * m for r, a in zip(res, agree, strict=True)]
@@ -192,12 +198,17 @@ def heldout_agreement(head: EagleHead, seqs: list[CachedSeq], local: torch.Tenso
     return [round(r / max(n, 1), 4) for r in res]
 
 
+def heldout_agreement(head: EagleHead, seqs: list[CachedSeq], local: torch.Tensor, steps: int) -> list[float]:
+    """``agreement`` on held-out cached sequences (answers only), 16 to a batch."""
+    return agreement(head, (Batch.packed(seqs[i: i + 16], local) for i in range(0, len(seqs), 16)), steps)
+
+
 def distill(head: EagleHead, gen: list[CachedSeq], text: list[CachedSeq], held: list[CachedSeq],
             cfg: DistillConfig, checkpoint=None, log=print) -> dict:
     """Train ``head`` in place for ``cfg.minutes``; ``checkpoint()`` is called at every held-out check."""
     rng = random.Random(cfg.seed)
     local = draft_local(head.draft_ids, head.head_config.vocab_size)
-    return optimise(head, lambda: Batch(sample_batch(rng, gen, text, cfg), local),
+    return optimise(head, lambda: Batch.packed(sample_batch(rng, gen, text, cfg), local),
                     (lambda: heldout_agreement(head, held, local, cfg.ttt_steps)) if held else None,
                     cfg, checkpoint, log)
 

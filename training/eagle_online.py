@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from training.eagle_distill import DistillConfig, draft_local, optimise, ttt_loss
+from training.eagle_distill import Batch, DistillConfig, agreement, draft_local, optimise
 
 CACHE_TOPK = 32  # the target's law kept per position (the head learns its top; as training/eagle_cache.py)
 
@@ -65,6 +65,34 @@ def chat_prefix(tok: Any) -> list[int] | None:
     return list(tok(text.split(mark)[0], add_special_tokens=False)["input_ids"])
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch: ids [B, n] and attention mask [B, n]."""
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), n, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, n - len(p):] = torch.tensor(p)
+        mask[r, n - len(p):] = 1
+    return ids, mask
+
+
+def sampling(temperature: float) -> dict:
+    """transformers ``generate`` keys for plain sampling at ``temperature`` (no top-k / top-p), greedy at 0."""
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+        "do_sample": False}
+
+
+def pad_id(tok: Any) -> int:
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def temperature_groups(cfg: GenConfig) -> list[tuple[float, int]]:
+    """(temperature, answers per instruction): one greedy, then the sampled copies grouped by temperature (one
+    generate stream per temperature: full batches). Self-written instructions go after the second group."""
+    copies = [cfg.temperatures[s % len(cfg.temperatures)] for s in range(cfg.samples - 1)]
+    return [(0.0, 1)] + [(t, copies.count(t)) for t in cfg.temperatures if copies.count(t)]
+
+
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: list[list[int]], temperature: float, max_tokens: int, batch: int,
              eos: int, pad: int, deadline: float, seed: int) -> list[list[int] | None]:
@@ -76,32 +104,37 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], temperature: floa
         if time.perf_counter() > deadline:
             break
         idx = order[b: b + batch]
-        n = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), n), pad, dtype=torch.long)  # [B, n], left-padded
-        mask = torch.zeros(len(idx), n, dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, n - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, n - len(prompts[i]):] = 1
+        ids, mask = left_padded([prompts[i] for i in idx], pad)
         torch.manual_seed(seed + b)
-        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
-            "do_sample": False}
         seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_tokens,
-                              eos_token_id=eos, pad_token_id=pad, **sample)[:, n:].tolist()  # [B, <= max_tokens]
+                              eos_token_id=eos, pad_token_id=pad, **sampling(temperature))[:, ids.shape[1]:].tolist()
         for r, i in enumerate(idx):
             toks = seqs[r]
             out[i] = toks[: toks.index(eos) + 1] if eos in toks else toks
     return out
 
 
-def write_data(target: str, tok: Any, model: torch.nn.Module, cfg: GenConfig, work: Path, log=print
+def self_written_instructions(model: torch.nn.Module, tok: Any, cfg: GenConfig, deadline: float) -> list[str]:
+    """Instructions the target writes itself when its chat template is opened at a user turn (Magpie's trick):
+    the finished turns of 8-400 characters, sorted; none without a template."""
+    prefix = chat_prefix(tok)
+    if not cfg.self_instruct or prefix is None or time.perf_counter() > deadline:
+        return []
+    eos = tok.eos_token_id
+    asks = generate(model, [prefix] * cfg.self_instruct, 1.0, 64, cfg.batch, eos, pad_id(tok), deadline,
+                    cfg.seed + 7)
+    texts = {tok.decode(a[:-1], skip_special_tokens=True).strip() for a in asks if a and a[-1] == eos}
+    return sorted(x for x in texts if 8 <= len(x) <= 400)
+
+
+def write_data(tok: Any, model: torch.nn.Module, cfg: GenConfig, work: Path, log=print
                ) -> tuple[list[dict], list[dict]]:
     """The training rows and the held-out rows ({"index", "prompt_ids", "answer_ids", "temperature"})."""
     from training.smollm2_draft import _chat_ids, compose_prompts, is_heldout
 
     start = time.perf_counter()
     deadline = start + cfg.minutes * 60
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    eos, pad = tok.eos_token_id, pad_id(tok)
     prompts = compose_prompts()
     held = [(i, _chat_ids(tok, p)) for i, p in enumerate(prompts) if is_heldout(i)]
     train = [(i, _chat_ids(tok, p)) for i, p in enumerate(prompts) if not is_heldout(i)]
@@ -114,30 +147,20 @@ def write_data(target: str, tok: Any, model: torch.nn.Module, cfg: GenConfig, wo
         return [{"index": i, "prompt_ids": p, "answer_ids": a, "temperature": temperature}
                 for (i, p), a in zip(items, got, strict=True) if a]
 
-    def self_written() -> None:
-        prefix = chat_prefix(tok)
-        if not cfg.self_instruct or prefix is None or time.perf_counter() > deadline:
-            return
-        asks = generate(model, [prefix] * cfg.self_instruct, 1.0, 64, cfg.batch, eos, pad, deadline, cfg.seed + 7)
-        texts = {tok.decode([t for t in a if t != eos], skip_special_tokens=True).strip() for a in asks if a
-                 and a[-1] == eos}  # finished user turns only
-        own = [(100_000 + j, _chat_ids(tok, x)) for j, x in enumerate(sorted(x for x in texts if 8 <= len(x) <= 400))]
-        for t in (0.0, 0.8):
-            rows.extend(answer(own, t, cfg.seed + 99 + int(10 * t)))
-        log(f"gen: {len(own)} self-written instructions answered, {len(rows)} answers in all, "
-            f"{time.perf_counter() - start:.0f} s")
-
     heldout = answer(held, 0.0, cfg.seed)
-    # one greedy answer each, then the sampled copies by temperature (one generate stream per temperature: full
-    # batches); the self-written instructions after the first temperature, so a short budget still has some
-    copies = [cfg.temperatures[s % len(cfg.temperatures)] for s in range(cfg.samples - 1)]
-    groups = [(0.0, 1)] + [(t, copies.count(t)) for t in cfg.temperatures if copies.count(t)]
+    groups = temperature_groups(cfg)
     for g, (t, n) in enumerate(groups):
         rows += answer(train * n, t, cfg.seed + 1000 * (g + 1))
         log(f"gen: {n} answer(s) each at T = {t}, {len(rows)} answers, "
             f"{sum(len(r['answer_ids']) for r in rows)} tokens, {time.perf_counter() - start:.0f} s")
-        if g == 1 or len(groups) == 1:
-            self_written()
+        if g == 1 or len(groups) == 1:  # after the first temperature: a short budget still has some
+            own = [(100_000 + j, _chat_ids(tok, x))
+                   for j, x in enumerate(self_written_instructions(model, tok, cfg, deadline))]
+            for t2 in (0.0, 0.8):
+                rows += answer(own, t2, cfg.seed + 99 + int(10 * t2))
+            if own:
+                log(f"gen: {len(own)} self-written instructions answered, {len(rows)} answers in all, "
+                    f"{time.perf_counter() - start:.0f} s")
     work.mkdir(parents=True, exist_ok=True)
     for part in range(0, len(rows), 30_000):  # parts of <= ~12 MB compressed
         with gzip.open(work / f"gen-{part // 30_000}.jsonl.gz", "wt", encoding="utf-8") as f:
@@ -148,44 +171,28 @@ def write_data(target: str, tok: Any, model: torch.nn.Module, cfg: GenConfig, wo
     return rows, heldout
 
 
-class PaddedBatch:
-    """training/eagle_distill.py's ``Batch`` for B right-padded sequences of one length L (rows N = B * L), built on
-    the target's device from the target's own forward (the padding rows are never scored, never attended to)."""
-
-    def __init__(self, seqs: list[Seq], teacher: torch.nn.Module, aux_layers: tuple[int, ...], local: torch.Tensor,
-                 chunk: int = 32) -> None:
-        device = local.device
-        b, n = len(seqs), max(len(s.ids) for s in seqs)
-        self.lens = [n] * b
-        ids = torch.zeros(b, n, dtype=torch.long)
-        label = torch.zeros(b, n, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s.ids)] = torch.tensor(s.ids)
-            label[i, max(s.answer_start - 1, 0): len(s.ids) - 1] = True  # position j predicts token j + 1
-        ids, label = ids.to(device), label.to(device)
-        aux, top_ids, top_lp = [], [], []
-        with torch.no_grad():
-            for c in range(0, b, chunk):  # the full-vocabulary logits of a chunk only
-                out = teacher(ids[c: c + chunk], output_hidden_states=True)  # right pads: causal rows never see them
-                aux.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float())  # [b, n, F]
-                top = torch.log_softmax(out.logits.float(), dim=-1).topk(CACHE_TOPK, dim=-1)
-                top_ids.append(top.indices)
-                top_lp.append(top.values)
-        self.tokens = ids.reshape(-1)  # [N]
-        self.pos = torch.arange(n, device=device).repeat(b)  # [N]
-        self.prev = torch.arange(b * n, device=device) - 1  # [N]
-        self.prev[self.pos == 0] = -1
-        self.aux = torch.cat(aux).reshape(b * n, -1)  # [N, F]
-        rows = local[torch.cat(top_ids).reshape(b * n, -1)]  # [N, k] draft row of each label id, -1 off it
-        lp = torch.cat(top_lp).reshape(b * n, -1).masked_fill(rows < 0, float("-inf"))
-        self.p = torch.softmax(lp, dim=-1).nan_to_num(0.0)  # [N, k]
-        self.rows = rows.clamp(min=0)
-        self.top1 = torch.where(rows[:, 0] >= 0, rows[:, 0], -1)  # [N]
-        self.mask = label.reshape(-1) & (self.p.sum(-1) > 0)  # [N]
-
-    def shift(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, H]: each row gets the row before it (zeros at a sequence start)."""
-        return x[self.prev.clamp(min=0)].masked_fill((self.prev < 0)[:, None], 0.0)
+def padded_batch(seqs: list[Seq], teacher: torch.nn.Module, aux_layers: tuple[int, ...], local: torch.Tensor,
+                 chunk: int = 32) -> Batch:
+    """B sequences right-padded to one length n (rows B * n) as training/eagle_distill.py's ``Batch``, on the
+    target's device, its features and laws from the target's own forward (pad rows: never scored, never seen)."""
+    b, n = len(seqs), max(len(s.ids) for s in seqs)
+    ids = torch.zeros(b, n, dtype=torch.long)
+    label = torch.zeros(b, n, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.ids)] = torch.tensor(s.ids)
+        label[i, max(s.answer_start - 1, 0): len(s.ids) - 1] = True  # position j predicts token j + 1
+    ids = ids.to(local.device)
+    aux, top_ids, top_lp = [], [], []
+    with torch.no_grad():
+        for c in range(0, b, chunk):  # the full-vocabulary logits of a chunk only
+            out = teacher(ids[c: c + chunk], output_hidden_states=True)  # right pads: causal rows never see them
+            aux.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1))  # [b, n, F]
+            top = torch.log_softmax(out.logits.float(), dim=-1).topk(CACHE_TOPK, dim=-1)  # [b, n, k]
+            top_ids.append(top.indices)
+            top_lp.append(top.values)
+    flat = lambda xs: torch.cat(xs).reshape(b * n, -1)  # noqa: E731  [B, n, X] chunks -> [N, X]
+    return Batch([n] * b, ids.reshape(-1), flat(aux), flat(top_ids), flat(top_lp), label.reshape(-1).to(local.device),
+                 local)
 
 
 def batches(seqs: list[Seq], tokens: int, rng: random.Random) -> list[list[Seq]]:
@@ -212,23 +219,15 @@ def train(teacher: torch.nn.Module, head: torch.nn.Module, aux_layers: tuple[int
     queue: list[list[Seq]] = []
     epochs = 0
 
-    def next_batch() -> PaddedBatch:
+    def next_batch() -> Batch:
         nonlocal queue, epochs
         if not queue:
             queue, epochs = batches(data, cfg.tokens, rng), epochs + 1
-        return PaddedBatch(queue.pop(), teacher, aux_layers, local)
+        return padded_batch(queue.pop(), teacher, aux_layers, local)
 
     def heldout() -> list[float]:
-        head.eval()
-        tot, n = [0.0] * cfg.ttt_steps, 0
-        with torch.no_grad():
-            for chunk in batches(held, cfg.tokens, random.Random(0)):
-                b = PaddedBatch(chunk, teacher, aux_layers, local)
-                _, a = ttt_loss(head, b, cfg.ttt_steps, 1.0)
-                m = int(b.mask.sum())
-                tot, n = [x + y * m for x, y in zip(tot, a, strict=True)], n + m
-        head.train()
-        return [round(x / max(n, 1), 4) for x in tot]
+        return agreement(head, (padded_batch(c, teacher, aux_layers, local)
+                                for c in batches(held, cfg.tokens, random.Random(0))), cfg.ttt_steps)
 
     stats = optimise(head, next_batch, heldout if held else None, cfg, checkpoint, log)
     return {**stats, "epochs": epochs}
@@ -247,7 +246,7 @@ class OnlineRun:
 
 def run(r: OnlineRun, log=print) -> dict:
     from training.eagle import init_head
-    from training.eagle_layout import head_config_dict, save_head
+    from training.eagle_layout import save_head
     from training.smollm2_draft import load_hf_target
     from workers.eagle.head_config import EagleHeadConfig
     from workers.gguf_loader import resolve_model_path
@@ -263,7 +262,7 @@ def run(r: OnlineRun, log=print) -> dict:
     # answers only: bfloat16 where it is fast (a GPU), speed over bits
     writer = copy.deepcopy(teacher).to(torch.bfloat16) if r.device.startswith("cuda") else teacher
     log(f"loaded {target} on {r.device} in {time.perf_counter() - t0:.0f} s")
-    rows, held_rows = write_data(target, tok, writer, r.gen, Path(r.out), log)
+    rows, held_rows = write_data(tok, writer, r.gen, Path(r.out), log)
     del writer
     data = [Seq(x["prompt_ids"] + x["answer_ids"], len(x["prompt_ids"])) for x in rows]
     held = [Seq(x["prompt_ids"] + x["answer_ids"], len(x["prompt_ids"])) for x in held_rows]
@@ -277,7 +276,6 @@ def run(r: OnlineRun, log=print) -> dict:
     stats = train(teacher, head, tuple(aux), data, held, r.train,
                   lambda: save_head(r.out, config, head, ids, dtype), log)
     save_head(r.out, config, head, ids, dtype)
-    assert config == head_config_dict(tcfg, draft_vocab_size=len(draft_ids) if draft_ids else None)
     stats.update(answers=len(rows), answer_tokens=int(sum(len(x["answer_ids"]) for x in rows)),
                  heldout_sequences=len(held), device=r.device, total_seconds=round(time.perf_counter() - t0),
                  gen=asdict(r.gen), config=asdict(r.train))
