@@ -106,12 +106,14 @@ def _cpu_key() -> str:
     return hashlib.sha256(info.encode()).hexdigest()[:12]
 
 
-def _checked(lib: Path) -> None:
-    """Raise unless a subprocess loaded ``lib`` and its checks passed on this CPU (remembered per CPU)."""
-    marker = lib.with_name(f"{lib.name}.ok-{_cpu_key()}")
+def check_in_subprocess(lib: Path, module: str = "workers.kernels.gguf_blocks", tag: str = "ok") -> None:
+    """Raise unless a subprocess (``python -m MODULE --check LIB``) loaded ``lib`` and its checks passed on this CPU
+    (remembered per library and CPU by a marker beside it, named with ``tag``): a crash or a wrong bit there only
+    fails that subprocess."""
+    marker = lib.with_name(f"{lib.name}.{tag}-{_cpu_key()}")
     if marker.exists():
         return
-    done = subprocess.run([sys.executable, "-m", "workers.kernels.gguf_blocks", "--check", str(lib)],
+    done = subprocess.run([sys.executable, "-m", module, "--check", str(lib)],
                           capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
                           cwd=str(Path(__file__).resolve().parents[2]))
     if done.returncode != 0:
@@ -127,7 +129,7 @@ def available() -> bool:
         return False
     try:
         lib = build()
-        _checked(lib)
+        check_in_subprocess(lib)
         torch.ops.load_library(str(lib))
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, said once
         log.warning("GGUF block kernel unavailable, using torch's int4 path and float32 head: %s", e)

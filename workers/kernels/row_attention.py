@@ -40,7 +40,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -178,7 +177,6 @@ def native_here() -> bool:
     return _checked()
 
 
-CHECK_TIMEOUT_S = 120  # the subprocess check, torch's import included
 
 
 @functools.cache
@@ -188,21 +186,11 @@ def _checked() -> bool:
     that subprocess, and the engine keeps the SDPA path (said once)."""
     from workers.kernels import gguf_blocks
 
-    lib = gguf_blocks.build()
-    marker = lib.with_name(f"{lib.name}.attention-ok-{gguf_blocks._cpu_key()}")
-    if marker.exists():
-        return True
     try:
-        done = subprocess.run([sys.executable, "-m", "workers.kernels.row_attention", "--check", str(lib)],
-                              capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
-                              cwd=str(Path(__file__).parents[2]))
-    except (OSError, subprocess.SubprocessError) as e:
-        _unavailable(f"its check did not run: {e}")
+        gguf_blocks.check_in_subprocess(gguf_blocks.build(), "workers.kernels.row_attention", "attention-ok")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _unavailable(f"its check did not pass: {e}")
         return False
-    if done.returncode != 0:
-        _unavailable(f"its check failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
-        return False
-    marker.touch()
     return True
 
 
