@@ -41,16 +41,20 @@ def checkpoint_dtype(path: str) -> torch.dtype:
     return torch.float32
 
 
-QUANTIZATION_CHOICES = ("gguf", "none")
+QUANTIZATION_CHOICES = ("gguf", "none", "q8_0")
 
 
 def resolve_quantization(path: str | os.PathLike[str], quantization: str | None) -> str:
-    """"gguf" (Q4 weights stay packed) or "none"; None picks "gguf" for a block-quantized GGUF file."""
+    """"gguf" (Q4 weights stay packed), "none", or "q8_0" (a float checkpoint's matrices held as Q8_0 blocks:
+    workers/q8_weights.py); None picks "gguf" for a block-quantized GGUF file."""
     if quantization is not None and quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_CHOICES)}, got {quantization!r}")
     gguf = is_gguf(path)
     if quantization == "gguf" and not gguf:
         raise ValueError(f"quantization 'gguf' needs a *.gguf model file, got {os.fspath(path)!r}")
+    if quantization == "q8_0" and gguf:
+        raise ValueError(f"quantization 'q8_0' is for a float checkpoint directory; a GGUF file keeps its own "
+                         f"blocks with 'gguf', got {os.fspath(path)!r}")
     if quantization is None:
         return "gguf" if gguf and gguf_loader.is_quantized_file(path) else "none"
     return quantization
@@ -65,7 +69,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     ``config``: ``ModelConfig.from_pretrained(path)`` already read elsewhere (e.g. by the controller), which
     spares each worker importing transformers; its dtype is ignored in favour of ``dtype``/the checkpoint's.
     ``quantization``: for a GGUF file, "gguf" keeps Q4 linear weights packed (workers/quantized_linear.py),
-    "none" dequantizes everything to ``dtype``; None: "gguf" when the file is block-quantized.
+    "none" dequantizes everything to ``dtype``; None: "gguf" when the file is block-quantized; for a checkpoint
+    directory, "q8_0" holds its matrices as Q8_0 blocks (workers/q8_weights.py).
     """
     path = os.fspath(path)
     if is_deepseek_v4(path):  # a ``config`` read by the caller is Llama-shaped: V4 reads its own
@@ -83,6 +88,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype | None = None,
     make_row_invariant(model)  # every path: a row's logits never depend on its batch (workers/kernels/)
     if not gguf:
         model.load_weights(iter_weights(path))
+        if quantization == "q8_0":
+            from workers.q8_weights import hold_as_q8
+
+            hold_as_q8(model)
         return model.eval()
     weights = gguf_loader.iter_gguf_weights(path, config)
     if quantization == "gguf":

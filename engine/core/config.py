@@ -80,7 +80,9 @@ class SpeculativeConfig:
       accepts less); greedy requests always take the draft's top tokens;
     - ``max_tree_nodes``: the verification budget per request per round; a larger tree is refused;
     - ``draft_tensor_parallel_size``: ranks for the draft worker, independent of the target's (default 1);
-    - ``quantization``: a GGUF draft's weights: "gguf" (packed 4-bit) or "none"; default: by the file;
+    - ``quantization``: a GGUF draft's weights: "gguf" (packed 4-bit) or "none"; "q8_0": a draft checkpoint's or
+      EAGLE head's matrices as Q8_0 blocks on the native kernel (workers/q8_weights.py); default: by the file
+      ("q8_0" for a packaged target's shipped draft or head on a CPU: engine/core/args.py);
     - ``pipeline``: draft round r+1 while the target verifies round r (engine/drafting/pipelined_drafter.py);
       ``pipeline_width``: how many predicted outcomes are pre-drafted per request per round (the likeliest
       ones by the measured acceptance rates; 0 pre-drafts nothing, so every round is re-drafted);
@@ -328,7 +330,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     tokenizer: str | None = None  # default: the target directory
     dtype: str | None = None  # None: the checkpoint's own dtype
-    quantization: str | None = None  # target GGUF: "gguf" (Q4 weights stay packed) or "none"; None: by the file
+    # "gguf" / "none" (a GGUF target), "q8_0" (a checkpoint directory as 8-bit blocks); None: by the file
+    quantization: str | None = None
     device: str = "cpu"
     max_model_len: int | None = None  # default: the target's max_position_embeddings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -69,7 +69,8 @@ def eagle_worker_config(config: EngineConfig, target_config: ModelConfig, num_bl
     """The draft worker's config for a head: the head directory, plus the target it reads its embedding from."""
     spec = config.speculative
     return WorkerConfig(os.fspath(spec.model), num_blocks, config.cache.block_size, config.dtype, config.device,
-                        tree_sampling=spec.tree_sampling, target_vocab_size=target_config.vocab_size,
+                        quantization=spec.quantization, tree_sampling=spec.tree_sampling,
+                        target_vocab_size=target_config.vocab_size,
                         eagle_target=config.target, eagle_target_config=target_config.to_dict(),
                         eagle_topk=dynamic_topk(spec))
 

@@ -25,6 +25,9 @@ def check_eagle_keys(spec: Any, methods: tuple[str, ...]) -> None:
     if spec.draft_process or spec.draft_tensor_parallel_size != 1:
         raise ValueError("speculative_config: an EAGLE head runs on one draft rank (a thread beside an in-process "
                          "target, or the Ray draft actor): set draft_process=false, draft_tensor_parallel_size=1")
+    if spec.quantization == "gguf":
+        raise ValueError("speculative_config.quantization: an EAGLE head is a safetensors checkpoint; use 'q8_0' "
+                         "(its matrices as Q8_0 blocks) or 'none'")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
         raise ValueError(f"speculative_config.eagle_topk must be an integer in [1, 16], got {k!r}")
     if n is not None:

@@ -35,6 +35,7 @@ from workers.law_channel import DraftLaws
 from workers.messages import DraftStep, DraftStepOutput, DraftTree
 from workers.model_config import ModelConfig, parse_dtype
 from workers.model_runner import ModelRunner
+from workers.q8_weights import hold_as_q8
 from workers.worker_config import WorkerConfig
 
 
@@ -62,6 +63,8 @@ class EagleDraftWorker(DraftWorker):
         self.model_config = ModelConfig.from_dict(config.eagle_target_config)  # ids live in the target's vocab
         dtype = parse_dtype(config.dtype, torch.float32) if config.dtype else torch.float32
         self.head = self.model = load_head(config.model, config.eagle_target, self.model_config, dtype, self.device)
+        if config.quantization == "q8_0":
+            hold_as_q8(self.head)  # its matrices as Q8_0 blocks (workers/q8_weights.py)
         hc = self.head.head_config
         self.runner = ModelRunner(self.head, 1, hc.num_kv_heads, hc.head_dim, config.num_blocks, config.block_size,
                                   dtype, self.device)

@@ -79,6 +79,7 @@ class EagleHead(nn.Module):
     def __init__(self, c: EagleHeadConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.head_config = c
+        self.dtype = dtype  # the compute dtype (its matrices may be held as blocks: workers/q8_weights.py)
         self.eagle3 = c.kind == EAGLE3
         h = c.hidden_size
         fc_in = c.feature_size if self.eagle3 else 2 * h
@@ -98,7 +99,7 @@ class EagleHead(nn.Module):
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's features [N, feature_size] as the head's hidden input [N, H] (eagle3: through ``fc``;
         EAGLE-1 applies its fc to [embed; feature] inside the forward)."""
-        return self.fc(aux.to(self.fc.weight.dtype)) if self.eagle3 else aux.to(self.fc.weight.dtype)
+        return self.fc(aux.to(self.dtype)) if self.eagle3 else aux.to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         feats = self.features  # [T, H]
