@@ -112,3 +112,22 @@ def test_equal_length_batches_attend_as_the_per_sequence_loop() -> None:
         got = uniform.attend(0, q[s], k[s], v[s])
         want = loop.attend(0, *(torch.cat([x[s], z]) for x, z in zip((q, k, v), one, strict=True)))[: b * n]
         assert torch.allclose(got, want, atol=1e-5), s
+
+
+def test_a_cached_run_continues_from_a_head(llama, tmp_path) -> None:
+    """--init: the run starts from the given head (its weights, its draft vocabulary whatever --draft-vocab says)
+    instead of a fresh one."""
+    from safetensors.torch import load_file
+
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    _gen_jsonl(work, 4)
+    common = ["--quick", "--target", llama.target, "--work", str(work), "--cache", str(cache)]
+    main([*common, "--out", str(tmp_path / "first"), "--draft-vocab", "64"])
+    main([*common, "--out", str(tmp_path / "fresh"), "--draft-vocab", "32"])
+    main([*common, "--out", str(tmp_path / "next"), "--draft-vocab", "32", "--init", str(tmp_path / "first")])
+    config = ModelConfig.from_pretrained(llama.target)
+    first, nxt = (load_head(str(tmp_path / d), llama.target, config) for d in ("first", "next"))
+    assert nxt.head_config.draft_vocab_size == 64 and nxt.draft_ids.tolist() == first.draft_ids.tolist()
+    w = {d: load_file(str(tmp_path / d / "model.safetensors"))["fc.weight"].float() for d in ("first", "fresh", "next")}
+    # a quick run moves the weights a little: the continued head stays nearer its start than a fresh one is
+    assert (w["next"] - w["first"]).norm() < 0.5 * (w["fresh"] - w["first"]).norm()

@@ -111,6 +111,18 @@ def init_head(target_path: str, tcfg: ModelConfig, target: torch.nn.Module, draf
     return head, config
 
 
+def continued_head(path: str, target_path: str, tcfg: ModelConfig) -> tuple[EagleHead, dict]:
+    """A trained head to train on (float32; the embedding frozen, as ``init_head`` leaves it) and its config."""
+    from workers.eagle.head import load_head
+
+    head = load_head(path, target_path, tcfg).train()
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    for name, p in head.named_parameters():
+        p.requires_grad_(not name.startswith("embed_tokens."))
+    return head, config
+
+
 def choose_draft_vocab(seqs: list[list[int]], size: int, vocab: int) -> list[int]:
     """The ``size`` most frequent tokens of the data (ties: lower id), ascending."""
     counts = torch.bincount(torch.tensor([t for s in seqs for t in s]), minlength=vocab)
@@ -161,9 +173,10 @@ def train_head(target_path: str, seqs: list[list[int]], out: str, cfg: EagleTrai
 
 
 def train_cached(target_path: str, cache: Path, out: str, cfg: DistillConfig, draft_vocab: int | None,
-                 save_dtype: torch.dtype = torch.float32, log=print) -> dict:
+                 save_dtype: torch.dtype = torch.float32, log=print, init: str | None = None) -> dict:
     """Train a head from the feature cache (training/eagle_cache.py) and write it to ``out``; every 25th cached
-    answer (by instruction number) is held out for the teacher-forced agreement the run reports."""
+    answer (by instruction number) is held out for the teacher-forced agreement the run reports. ``init``: a head
+    directory to continue from (its weights and its draft vocabulary; ``draft_vocab`` is then ignored)."""
     from training.eagle_cache import cache_meta, read_cache
     from training.eagle_distill import distill
 
@@ -174,10 +187,15 @@ def train_cached(target_path: str, cache: Path, out: str, cfg: DistillConfig, dr
         raise ValueError(f"{cache} holds no cached sequences: build it first (--cache with --work)")
     tcfg = ModelConfig.from_pretrained(target_path)
     target = load_model(target_path, dtype=torch.float32, quantization="none")
-    answers = [s.ids[s.answer_start:] for s in gen] + [s.ids[s.answer_start:] for s in data["text"][: len(gen) // 5]]
-    draft_ids = (sorted(torch.bincount(torch.cat(answers), minlength=tcfg.vocab_size)
-                        .topk(min(draft_vocab, tcfg.vocab_size)).indices.tolist()) if draft_vocab else None)
-    head, config = init_head(target_path, tcfg, target, draft_ids, cfg.seed)
+    if init:
+        head, config = continued_head(init, target_path, tcfg)
+        draft_ids = None if head.draft_ids is None else head.draft_ids.tolist()
+    else:
+        answers = ([s.ids[s.answer_start:] for s in gen] +
+                   [s.ids[s.answer_start:] for s in data["text"][: len(gen) // 5]])
+        draft_ids = (sorted(torch.bincount(torch.cat(answers), minlength=tcfg.vocab_size)
+                            .topk(min(draft_vocab, tcfg.vocab_size)).indices.tolist()) if draft_vocab else None)
+        head, config = init_head(target_path, tcfg, target, draft_ids, cfg.seed)
     del target
     aux = EagleHeadConfig.from_dict(config).aux_layers(tcfg.num_layers)
     if tuple(cache_meta(cache)["aux_layers"]) != tuple(aux):
@@ -327,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--text-frac", type=float, default=DistillConfig.text_frac, help="--cache: local-text share")
     ap.add_argument("--bf16", action="store_true", help="--cache: bf16 autocast for the head's matmuls")
+    ap.add_argument("--init", default=None, help="--cache: continue from this head directory (its draft vocabulary)")
     a = ap.parse_args(argv)
     cfg = EagleTrainConfig(minutes=a.minutes, steps=a.steps, batch=a.batch, seq_len=a.seq_len,
                            draft_vocab=a.draft_vocab)
@@ -356,7 +375,8 @@ def main(argv: list[str] | None = None) -> None:
                              warmup_steps=1 if a.quick else DistillConfig.warmup_steps)
         if a.quick:
             dcfg.minutes = 0.05
-        stats = train_cached(target, Path(a.cache), a.out, dcfg, a.draft_vocab, getattr(torch, a.save_dtype))
+        stats = train_cached(target, Path(a.cache), a.out, dcfg, a.draft_vocab, getattr(torch, a.save_dtype),
+                             init=a.init)
     else:
         stats = train_head(target, seqs, a.out, cfg, held, save_dtype=getattr(torch, a.save_dtype))
     print(json.dumps({k: v for k, v in stats.items() if k != "config"}))
