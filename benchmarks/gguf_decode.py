@@ -10,7 +10,9 @@ run is the one least disturbed by other work). Besides wall-clock tok/s, tok/s p
 process is printed: with one thread and the engine in-process, it is what an idle core would give (apart
 from memory-bandwidth contention), which makes runs on a busy machine comparable. Also printed: the weight
 bytes one decode step reads, and the time per step a memory bandwidth of ``--bandwidth-gbs`` would need for
-them (the floor a memory-bound batch-1 step cannot beat).
+them (the floor a memory-bound batch-1 step cannot beat). Mode ``specserve_shipped`` runs a packaged target as
+shipped, with speculation (``--modes specserve_q4,specserve_shipped,llama_cpp``: plain, speculative and llama.cpp
+side by side).
 
 ``--profile``: instead, one model forward at a time under ``torch.profiler`` (the 4-bit target by default): a
 one-row decode step and a 5-row chain verify (``--profile-rows``) after a prompt, the time of each op class
@@ -134,6 +136,22 @@ def specserve_runner(path: str, quantization: str, prompt: list[int], n: int, na
     llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
             gguf_weight_bytes(path, quantization == "gguf", used))
+
+
+def shipped_runner(target: str, path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
+    """``target`` as ``specserve generate --target NAME`` runs it: a packaged target's default speculative config
+    (its shipped draft, adaptive depth), so speculation and llama.cpp's plain decode compare in one run."""
+    from engine import LLM, SamplingParams
+    from engine.core.config import packaged_default_draft
+    from workers.kernels import gguf_blocks
+
+    if packaged_default_draft(target) is None:
+        raise SystemExit(f"mode specserve_shipped needs a packaged target's short name (e.g. smollm2), got {target!r}")
+    llm = LLM(target, None, num_kv_tokens=1024, max_num_seqs=1)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
+            gguf_weight_bytes(path, True, gguf_blocks.available()))
 
 
 def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
@@ -405,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="specserve_fp32,specserve_q4,transformers,llama_cpp",
                     help="comma-separated; llama_cpp (alias llamacpp) needs pip install llama-cpp-python; "
                          "specserve_q4_torch: the 4-bit target without the native kernel; "
-                         "specserve_q4_f32 / _q8: with it, float32 / 8-bit activations")
+                         "specserve_q4_f32 / _q8: with it, float32 / 8-bit activations; specserve_shipped: "
+                         "a packaged target with its default speculation (its shipped draft, adaptive)")
     ap.add_argument("--bandwidth-gbs", type=float, default=25.0, help="memory bandwidth for the floor")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="profile single forwards instead (module doc)")
@@ -473,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                 runners[mode] = specserve_runner(path, "gguf", prompt, n)
         elif mode in ("specserve_q4_f32", "specserve_q4_q8"):  # the native kernel with these activations
             runners[mode] = specserve_runner(path, "gguf", prompt, n, activations=mode.rpartition("_")[2])
+        elif mode == "specserve_shipped":  # with speculation, as shipped (the target's default draft, adaptive)
+            runners[mode] = shipped_runner(args.target, path, prompt, n)
         elif mode == "transformers":
             runners[mode] = hf_runner(path, prompt, n)
         elif mode in ("llama_cpp", "llamacpp"):

@@ -44,3 +44,17 @@ def test_gguf_decode_runs_on_smollm2(tmp_path) -> None:
     (row,) = json.loads(out.read_text())["results"]
     assert row["mode"] == "specserve_q4" and row["tok_s"] > 0
     assert row["weight_bytes"] == gguf_weight_bytes(path, packed=True, native=native_kernel())
+
+
+@pytest.mark.slow
+def test_gguf_decode_runs_the_shipped_speculation_beside_plain(tmp_path) -> None:
+    from benchmarks.gguf_decode import main
+
+    smollm2_path()  # skips without the package
+    out = tmp_path / "g.json"
+    assert main(["--target", "smollm2", "--max-tokens", "8", "--repeats", "1", "--modes",
+                 "specserve_q4,specserve_shipped", "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"specserve_q4", "specserve_shipped"} and rows["specserve_shipped"]["tok_s"] > 0
+    with pytest.raises(SystemExit, match="packaged target"):
+        main(["--target", smollm2_path(), "--max-tokens", "2", "--repeats", "1", "--modes", "specserve_shipped"])
