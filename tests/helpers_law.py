@@ -19,3 +19,18 @@ def continuation_logits(target: str, prompt: list[int], vocab: int) -> np.ndarra
     with torch.no_grad():
         logits = hf(ids).logits[:, len(prompt) - 1:].double().numpy()  # [V^3, 4, V]
     return logits.reshape(vocab, vocab, vocab, 4, vocab)
+
+
+def record_flatter_q(monkeypatch) -> None:
+    """Negative controls: drafts still drawn from q, but q^(1/2) recorded (the draft's law at twice its
+    temperature, the silent error docs/architecture.md warns about); the sampled-law tests must then fail."""
+    import workers.draft_worker as draft_worker
+
+    real = draft_worker.draw_children
+
+    def flatter_q(q, k, mode, generator):
+        tokens, laws = real(q, k, mode, generator)
+        wrong = laws.sqrt()
+        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
+
+    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import workers.draft_worker as draft_worker
 import workers.eagle.draft_worker as eagle_worker
 from tests.conftest import random_plans
+from tests.helpers_law import record_flatter_q
 from tests.test_engine_sampling import ALPHA, exact_joint, pair_pvalues, sample_engine, target_logits  # noqa: F401
 from training.eagle_layout import random_head
 from workers.model_config import ModelConfig
@@ -58,14 +58,7 @@ def test_eagle_output_follows_the_target_law(small_vocab, target_logits, head, c
 def test_a_wrong_chain_q_is_caught(small_vocab, target_logits, head, monkeypatch) -> None:  # noqa: F811
     """The chain's children drawn from q but q^(1/2) recorded (the head's law at twice its temperature)."""
     target, _ = small_vocab
-    real = draft_worker.draw_children
-
-    def flatter_q(q, k, mode, generator):
-        tokens, laws = real(q, k, mode, generator)
-        wrong = laws.sqrt()
-        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
-
-    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    record_flatter_q(monkeypatch)
     (tokens,), _ = sample_engine(target, eagle(head, 2), [(1.0, -1, 1.0)])
     assert min(pair_pvalues(tokens, exact_joint(target_logits, 1.0)).values()) < 1e-6
 

@@ -21,7 +21,7 @@ from scheduler.adaptive import AdaptivePolicy
 from scheduler.adaptive.costs import CostModel, Curve
 from scheduler.sampling_params import SamplingParams
 from tests.conftest import SMALL_VOCAB, marked_slow, random_plans, spec
-from tests.helpers_law import continuation_logits
+from tests.helpers_law import continuation_logits, record_flatter_q
 
 PROMPT = [1, 7, 4]
 N = 1500  # requests per distribution run
@@ -223,17 +223,8 @@ def test_speculative_output_follows_the_target_law(small_vocab, target_logits, c
 
 def test_the_distribution_test_has_power(small_vocab, target_logits, monkeypatch: pytest.MonkeyPatch) -> None:
     """A q wrong by a temperature (the silent error docs/architecture.md warns about) is caught."""
-    import workers.draft_worker as draft_worker
-
     target, draft = small_vocab
-    real = draft_worker.draw_children
-
-    def flatter_q(q, k, mode, generator):
-        tokens, laws = real(q, k, mode, generator)
-        wrong = laws.sqrt()  # q^(1/2): the draft's law at twice its temperature; the draws still come from q
-        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
-
-    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    record_flatter_q(monkeypatch)
     (tokens,), _ = sample_engine(target, spec(draft, None, [2, 2], "iid"), [(1.0, -1, 1.0)])
     pvalues = pair_pvalues(tokens, exact_joint(target_logits, 1.0))
     assert min(pvalues.values()) < 1e-6, pvalues

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 from engine import LLM, SamplingParams
 from engine.drafting.pipelined_drafter import match_prediction, prune
 from tests.conftest import spec
+from tests.helpers_law import record_flatter_q
 from workers.messages import DraftResult, DraftTree
 from workers.tree_topology import most_probable_path
 
@@ -187,17 +188,8 @@ def test_distribution_test_catches_a_wrong_law_with_pipelining(small_vocab, monk
     is held to the law by construction (a hit tree is the tree a re-draft would give: the seeded identity
     tests) and by the cache check with pipelining on (tests/test_cache_bookkeeping.py).
     """
-    import workers.draft_worker as draft_worker
-
     target, draft = small_vocab
-    real = draft_worker.draw_children
-
-    def flatter_q(q, k, mode, generator):
-        tokens, laws = real(q, k, mode, generator)
-        wrong = laws.sqrt()  # the draws still come from q
-        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
-
-    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    record_flatter_q(monkeypatch)
     p_value, llm = _pipelined_pair_pvalue(target, draft, 1500)
     assert llm.engine.pipeline.stats.hits > 0
     assert p_value < 1e-6, f"a wrong q went unnoticed with pipelining on (p = {p_value:.2e})"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import workers.draft_worker as draft_worker
 from engine import LLM, SamplingParams
 from engine.core.args import EngineArgs
 from tests.helpers_gguf import hf_to_gguf
+from tests.helpers_law import record_flatter_q
 from tests.helpers_models import make_tiny_checkpoint
 from tests.test_engine_sampling import ALPHA, exact_joint, pair_pvalues, sample_engine, target_logits  # noqa: F401
 from training.eagle_layout import random_head
@@ -127,14 +127,7 @@ def test_a_q8_draft_keeps_the_target_law(small_vocab, target_logits, small_head,
 def test_a_wrong_q8_draft_law_is_caught(small_vocab, target_logits, monkeypatch) -> None:  # noqa: F811
     """The q8 draft's children drawn from q, q^(1/2) recorded: the harness sees it on this path too."""
     target, draft = small_vocab
-    real = draft_worker.draw_children
-
-    def flatter_q(q, k, mode, generator):
-        tokens, laws = real(q, k, mode, generator)
-        wrong = laws.sqrt()
-        return tokens, wrong / wrong.sum(dim=-1, keepdim=True)
-
-    monkeypatch.setattr(draft_worker, "draw_children", flatter_q)
+    record_flatter_q(monkeypatch)
     spec = {"model": draft, "num_speculative_tokens": 2, "adaptive": False, "quantization": "q8_0"}
     (tokens,), _ = sample_engine(target, spec, [(1.0, -1, 1.0)])
     assert min(pair_pvalues(tokens, exact_joint(target_logits, 1.0)).values()) < 1e-6
