@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.args import EngineArgs
-from tests.helpers_gguf import hf_to_gguf
+from tests.helpers_gguf import hf_to_gguf, smollm2_path
 from tests.helpers_law import record_flatter_q
 from tests.helpers_models import make_tiny_checkpoint
 from tests.test_engine_sampling import ALPHA, exact_joint, pair_pvalues, sample_engine, target_logits  # noqa: F401
@@ -145,6 +145,7 @@ def test_what_cannot_take_q8_0_is_refused_naming_the_key(pair, tmp_path) -> None
 
 
 def test_a_packaged_target_drafts_with_its_shipped_draft_at_8_bits_on_a_cpu(pair) -> None:
+    smollm2_path()  # the short name resolves its file at configuration: skips without the package
     _, draft, _ = pair
     assert EngineArgs(target="smollm2").to_engine_config().speculative.quantization == "q8_0"
     eagle = EngineArgs(target="smollm2", speculative_config={"method": "eagle3"}).to_engine_config().speculative
