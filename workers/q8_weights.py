@@ -39,17 +39,15 @@ _said: set[str] = set()
 
 def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] float (K a multiple of 32) -> [N, K / 32 * 34] uint8 in ggml's Q8_0 layout: per 32-block a float16
-    scale d = max|w| / 127 and 32 int8 q = round(w / d), so w ~ d q within d / 2."""
+    scale d = max|w| / 127 and 32 int8 q = round(w / d), so w ~ d q within about d / 2. The rounding is the native
+    kernel's own (``gguf_blocks.quantize_activations``, what its 8-bit activations get, as ggml quantizes Q8_0)."""
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"Q8_0 needs whole {GROUP}-weight blocks per row, got {k} columns")
-    b = weight.detach().float().reshape(n, k // GROUP, GROUP)  # [N, G, 32]
-    d = (b.abs().amax(-1, keepdim=True) / 127).half()  # [N, G, 1]: the scale as stored
-    inv = torch.where(d != 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-    q = torch.round(b * inv).clamp(-127, 127).to(torch.int8)  # [N, G, 32]
+    q, d = gguf_blocks.quantize_activations(weight.detach().float().contiguous())  # [N, K] int8, [N, K / 32]
     out = torch.empty(n, k // GROUP, 2 + GROUP, dtype=torch.uint8)
-    out[..., :2] = d.view(torch.uint8)
-    out[..., 2:] = q.view(torch.uint8)
+    out[..., :2] = d.half().unsqueeze(-1).view(torch.uint8)  # d is already a float16 value
+    out[..., 2:] = q.view(n, k // GROUP, GROUP).view(torch.uint8)
     return out.reshape(n, -1)
 
 
@@ -70,8 +68,6 @@ class BlockLinearModule(nn.Module):
         super().__init__()
         self.inner = BlockLinear(q8_0_blocks(linear.weight), Q8_0, acts)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        self.dtype = linear.weight.dtype
-        self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
