@@ -126,32 +126,35 @@ def specserve_runner(path: str, quantization: str, prompt: list[int], n: int, na
                      activations: str | None = None) -> tuple[Callable[[], int], int]:
     """``native``: False loads with the native block kernel switched off (torch's int4 path, the float32 head);
     ``activations``: the native kernel's ("f32" / "q8"; None: KernelConfig's)."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from workers.kernels import gguf_blocks
 
     with native_kernel(native, activations):
         llm = LLM(path, None, quantization=quantization, num_kv_tokens=1024, max_num_seqs=1)
         used = quantization == "gguf" and gguf_blocks.available()
+    return _timed_generate(llm, prompt, n), gguf_weight_bytes(path, quantization == "gguf", used)
+
+
+def _timed_generate(llm: Any, prompt: list[int], n: int) -> Callable[[], int]:
+    """After a warm-up, a call that decodes ``n`` tokens greedily from ``prompt`` (EOS ignored) and returns how many."""
+    from engine import SamplingParams
+
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
-            gguf_weight_bytes(path, quantization == "gguf", used))
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return lambda: len(llm.generate([prompt], params)[0].token_ids)
 
 
 def shipped_runner(target: str, path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:
     """``target`` as ``specserve generate --target NAME`` runs it: a packaged target's default speculative config
     (its shipped draft, adaptive depth), so speculation and llama.cpp's plain decode compare in one run."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.core.config import packaged_default_draft
     from workers.kernels import gguf_blocks
 
     if packaged_default_draft(target) is None:
         raise SystemExit(f"mode specserve_shipped needs a packaged target's short name (e.g. smollm2), got {target!r}")
     llm = LLM(target, None, num_kv_tokens=1024, max_num_seqs=1)
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    return ((lambda: len(llm.generate([prompt], params)[0].token_ids)),
-            gguf_weight_bytes(path, True, gguf_blocks.available()))
+    return _timed_generate(llm, prompt, n), gguf_weight_bytes(path, True, gguf_blocks.available())
 
 
 def hf_runner(path: str, prompt: list[int], n: int) -> tuple[Callable[[], int], int]:

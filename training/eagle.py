@@ -106,9 +106,14 @@ def init_head(target_path: str, tcfg: ModelConfig, target: torch.nn.Module, draf
         head.lm_head.weight.copy_(out if draft_ids is None else out[torch.tensor(draft_ids)])
         if draft_ids is not None:
             head.draft_ids = torch.tensor(draft_ids)
+    return _frozen_embedding(head), config
+
+
+def _frozen_embedding(head: EagleHead) -> EagleHead:
+    """Every parameter trained but the (target's) embedding."""
     for name, p in head.named_parameters():
         p.requires_grad_(not name.startswith("embed_tokens."))
-    return head, config
+    return head
 
 
 def continued_head(path: str, target_path: str, tcfg: ModelConfig) -> tuple[EagleHead, dict]:
@@ -118,9 +123,7 @@ def continued_head(path: str, target_path: str, tcfg: ModelConfig) -> tuple[Eagl
     head = load_head(path, target_path, tcfg).train()
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    for name, p in head.named_parameters():
-        p.requires_grad_(not name.startswith("embed_tokens."))
-    return head, config
+    return _frozen_embedding(head), config
 
 
 def choose_draft_vocab(seqs: list[list[int]], size: int, vocab: int) -> list[int]:
